@@ -1,0 +1,5 @@
+"""Callbacks: throughput and communication monitors (and the design card's algorithm callbacks)."""
+
+from lightning_hier.callbacks.throughput import ThroughputMonitor
+
+__all__ = ["ThroughputMonitor"]

@@ -1,0 +1,36 @@
+"""torch.distributed helpers: flat buffers, explicit-group collectives, accounting, failure reports.
+
+This layer imports torch only (never lightning or hydra).
+"""
+
+from lightning_hier.comm.collectives import (
+    all_reduce_mean_,
+    all_reduce_sum_,
+    all_reduce_sum_async,
+    broadcast_,
+    broadcast_object,
+    gather_objects,
+    group_size,
+    payload_bytes,
+    wait_all,
+)
+from lightning_hier.comm.failures import FailureBoard, is_communication_error
+from lightning_hier.comm.flat import FlatTensors, Segment
+from lightning_hier.comm.stats import CommStats
+
+__all__ = [
+    "CommStats",
+    "FailureBoard",
+    "FlatTensors",
+    "Segment",
+    "all_reduce_mean_",
+    "all_reduce_sum_",
+    "all_reduce_sum_async",
+    "broadcast_",
+    "broadcast_object",
+    "gather_objects",
+    "group_size",
+    "is_communication_error",
+    "payload_bytes",
+    "wait_all",
+]

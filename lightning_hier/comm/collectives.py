@@ -1,0 +1,100 @@
+"""Thin, explicit-group wrappers around ``torch.distributed`` with byte accounting.
+
+Every function takes the group as an argument (``None`` means "a group of one": nothing to do),
+so algorithm code never reaches for a global default group by accident.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_hier.comm.stats import CommStats
+
+Group = dist.ProcessGroup | None
+
+
+def group_size(group: Group) -> int:
+    """Number of ranks in ``group`` (1 for ``None``)."""
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def payload_bytes(tensors: Sequence[Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def all_reduce_sum_(tensors: Sequence[Tensor], group: Group, stats: CommStats | None = None) -> None:
+    """In-place blocking SUM all-reduce of each tensor over ``group``."""
+    if group is None:
+        return
+    works = [dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=True) for t in tensors]
+    _wait(works, stats)
+    if stats is not None:
+        stats.add(payload_bytes(tensors), calls=len(tensors))
+
+
+def all_reduce_mean_(tensors: Sequence[Tensor], group: Group, stats: CommStats | None = None) -> None:
+    """In-place blocking mean over ``group`` (SUM then divide: gloo has no AVG)."""
+    if group is None:
+        return
+    all_reduce_sum_(tensors, group, stats)
+    torch._foreach_div_(list(tensors), float(group_size(group)))
+
+
+def all_reduce_sum_async(tensors: Sequence[Tensor], group: Group, stats: CommStats | None = None) -> list[dist.Work]:
+    """Launch SUM all-reduces in the background; wait with :func:`wait_all` before touching the tensors."""
+    if group is None:
+        return []
+    works = [dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=True) for t in tensors]
+    if stats is not None:
+        stats.add(payload_bytes(tensors), calls=len(tensors))
+    return [w for w in works if w is not None]
+
+
+def wait_all(works: Sequence[dist.Work], stats: CommStats | None = None) -> None:
+    """Wait for background collectives, timing the wait as blocked communication."""
+    _wait(list(works), stats)
+
+
+def broadcast_(tensors: Sequence[Tensor], src: int, group: Group, stats: CommStats | None = None) -> None:
+    """Broadcast tensors from global rank ``src`` to ``group``, in place."""
+    if group is None:
+        return
+    works = [dist.broadcast(t, src=src, group=group, async_op=True) for t in tensors]
+    _wait(works, stats)
+    if stats is not None:
+        stats.add(payload_bytes(tensors), calls=len(tensors))
+
+
+def gather_objects(obj: Any, dst: int = 0, group: Group = None) -> list[Any] | None:
+    """Gather a picklable object from every rank of ``group`` onto global rank ``dst``."""
+    if group is None:
+        return [obj]
+    out: list[Any] | None = [None] * group_size(group) if dist.get_rank() == dst else None
+    dist.gather_object(obj, out, dst=dst, group=group)
+    return out
+
+
+def broadcast_object(obj: Any, src: int = 0, group: Group = None) -> Any:
+    """Broadcast a picklable object from global rank ``src``."""
+    if group is None:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]
+
+
+def _wait(works: Sequence[dist.Work | None], stats: CommStats | None) -> None:
+    if stats is None:
+        for w in works:
+            if w is not None:
+                w.wait()
+        return
+    with stats.blocked():
+        for w in works:
+            if w is not None:
+                w.wait()

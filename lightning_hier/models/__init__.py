@@ -1,0 +1,8 @@
+"""Reference networks (ordered blocks) and the generic classification LightningModule."""
+
+from lightning_hier.models.classifier import Classifier
+from lightning_hier.models.networks import BasicBlock, cifar_resnet, mlp, resnet20, resnet56, small_cnn
+
+NETWORKS = {"mlp": mlp, "small_cnn": small_cnn, "resnet20": resnet20, "resnet56": resnet56}
+
+__all__ = ["NETWORKS", "BasicBlock", "Classifier", "cifar_resnet", "mlp", "resnet20", "resnet56", "small_cnn"]

@@ -1,0 +1,126 @@
+"""One LightningModule for every classification experiment of this package."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torchmetrics.classification import MulticlassAccuracy
+
+from lightning_hier import _validate as v
+
+OPTIMIZERS = ("sgd", "adamw")
+SCHEDULERS = ("none", "cosine")
+
+
+class Classifier(pl.LightningModule):
+    """Cross-entropy classification of any network, with torchmetrics accuracy.
+
+    Args:
+        net: The network (e.g. :func:`~lightning_hier.models.mlp`); an ``nn.Sequential`` of
+            blocks if a pipeline strategy should cut it.
+        num_classes: Number of classes.
+        optimizer: ``'sgd'`` or ``'adamw'``.
+        lr: Learning rate.
+        momentum: SGD momentum.
+        nesterov: Nesterov momentum (SGD).
+        weight_decay: Weight decay.
+        scheduler: ``'none'`` or ``'cosine'`` (per step, over the whole fit, after warm-up).
+        warmup_steps: Linear learning-rate warm-up steps.
+        label_smoothing: Label smoothing of the loss.
+
+    Logged: ``train/loss``, ``train/acc``, ``val/loss``, ``val/acc`` (``test/...`` likewise).
+    """
+
+    def __init__(
+        self,
+        net: nn.Module,
+        num_classes: int,
+        optimizer: str = "sgd",
+        lr: float = 0.1,
+        momentum: float = 0.9,
+        nesterov: bool = False,
+        weight_decay: float = 0.0,
+        scheduler: str = "none",
+        warmup_steps: int = 0,
+        label_smoothing: float = 0.0,
+    ) -> None:
+        super().__init__()
+        owner = type(self).__name__
+        v.check_int(owner, "num_classes", num_classes, minimum=2)
+        v.check_choice(owner, "optimizer", optimizer, OPTIMIZERS)
+        v.check_float(owner, "lr", lr, low=0.0, low_inclusive=False)
+        v.check_float(owner, "momentum", momentum, 0.0, 1.0, high_inclusive=False)
+        v.check_float(owner, "weight_decay", weight_decay, low=0.0)
+        v.check_choice(owner, "scheduler", scheduler, SCHEDULERS)
+        v.check_int(owner, "warmup_steps", warmup_steps, minimum=0)
+        v.check_float(owner, "label_smoothing", label_smoothing, 0.0, 1.0, high_inclusive=False)
+        self.save_hyperparameters(ignore=["net"])
+        self.net = net
+        self.train_acc = MulticlassAccuracy(num_classes, average="micro")
+        self.val_acc = MulticlassAccuracy(num_classes, average="micro")
+        self.test_acc = MulticlassAccuracy(num_classes, average="micro")
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.net(x)
+
+    def _loss(self, logits: Tensor, y: Tensor) -> Tensor:
+        return F.cross_entropy(logits, y, label_smoothing=self.hparams["label_smoothing"])
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        logits = self(x)
+        loss = self._loss(logits, y)
+        self.train_acc(logits, y)
+        self.log("train/loss", loss, prog_bar=True, batch_size=len(y))
+        self.log("train/acc", self.train_acc, on_step=False, on_epoch=True, batch_size=len(y))
+        return loss
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        self._evaluate(batch, "val", self.val_acc)
+
+    def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        self._evaluate(batch, "test", self.test_acc)
+
+    def _evaluate(self, batch: tuple[Tensor, Tensor], stage: str, metric: MulticlassAccuracy) -> None:
+        x, y = batch
+        logits = self(x)
+        metric(logits, y)
+        self.log(f"{stage}/loss", self._loss(logits, y), sync_dist=True, batch_size=len(y))
+        self.log(f"{stage}/acc", metric, prog_bar=True, batch_size=len(y))
+
+    def configure_optimizers(self) -> Any:
+        hp = self.hparams
+        if hp["optimizer"] == "sgd":
+            opt: torch.optim.Optimizer = torch.optim.SGD(
+                self.parameters(),
+                lr=hp["lr"],
+                momentum=hp["momentum"],
+                nesterov=hp["nesterov"] and hp["momentum"] > 0,
+                weight_decay=hp["weight_decay"],
+            )
+        else:
+            opt = torch.optim.AdamW(self.parameters(), lr=hp["lr"], weight_decay=hp["weight_decay"])
+        if hp["scheduler"] == "none" and hp["warmup_steps"] == 0:
+            return opt
+        total = max(1, int(self.trainer.estimated_stepping_batches))
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, _Schedule(hp["scheduler"], hp["warmup_steps"], total))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+class _Schedule:
+    """Warm-up then cosine (or constant) factor; a class, not a closure, so spawn can pickle it."""
+
+    def __init__(self, kind: str, warmup: int, total: int) -> None:
+        self.kind, self.warmup, self.total = kind, warmup, total
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup:
+            return (step + 1) / self.warmup
+        if self.kind == "cosine":
+            progress = min(1.0, (step - self.warmup) / max(1, self.total - self.warmup))
+            return 0.5 * (1.0 + float(torch.cos(torch.tensor(progress * torch.pi))))
+        return 1.0

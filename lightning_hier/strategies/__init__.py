@@ -1,0 +1,17 @@
+"""Lightning strategies, one per algorithm (thin adapters over :mod:`lightning_hier.algorithms`)."""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_hier.strategies._base import HierStrategy
+from lightning_hier.strategies.averaging import LocalSGDStrategy
+
+STRATEGIES: tuple[type[HierStrategy], ...] = (LocalSGDStrategy,)
+
+
+def register_all() -> None:
+    """Register every strategy name (and its ``_spawn`` / ``_fork`` variants) with Lightning."""
+    for cls in STRATEGIES:
+        cls.register_strategies(StrategyRegistry)
+
+
+__all__ = ["STRATEGIES", "HierStrategy", "LocalSGDStrategy", "register_all"]

@@ -1,0 +1,423 @@
+"""The shared base of every lightning-hier strategy.
+
+:class:`HierStrategy` is a ``ParallelStrategy`` (not DDP: the model is never wrapped, so no
+per-step gradient all-reduce happens unless an algorithm asks for one). It owns the plumbing
+every algorithm needs, so a concrete strategy adds only its algorithm object and the one or two
+hooks where it acts:
+
+- process-group setup with a finite ``timeout``, launcher choice (``start_method``), ranks and
+  ``num_nodes``, and the :class:`~lightning_hier.topology.Topology` that builds every group once;
+- broadcasting rank 0's initial weights, barrier / broadcast / reduce;
+- failure handling: a failing rank reports to the store, peers name it, a watchdog ends ranks
+  left hanging, and popen children are killed (see :mod:`lightning_hier.comm.failures`);
+- checkpoints that hold every rank's model, optimizer, RNG and algorithm state, checked on
+  resume (see :mod:`lightning_hier.strategies._checkpoint`);
+- the *consensus* model (global / center / average): validated during fit, saved as the
+  checkpoint's ``state_dict`` and left in every rank's module at the end of fit;
+- registration of ``name``, ``name_spawn`` and ``name_fork``.
+
+Hooks for subclasses: :meth:`_layout`, :meth:`_setup_algorithm`, :meth:`_finalize_algorithm`,
+:meth:`_consensus`, :meth:`_algorithm_state`, :meth:`_load_algorithm_state`,
+:meth:`_sync_initial_state`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import uuid
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.strategies import _StrategyRegistry
+from lightning.fabric.utilities.distributed import _sync_ddp_if_available
+from lightning.fabric.utilities.optimizer import _optimizer_to_device, _optimizers_to_device
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor
+
+from lightning_hier import _validate as v
+from lightning_hier.comm import CommStats, FailureBoard, broadcast_, broadcast_object, gather_objects
+from lightning_hier.comm.failures import is_communication_error
+from lightning_hier.rng import capture_rng, restore_rng
+from lightning_hier.strategies import _checkpoint as ckpt
+from lightning_hier.topology import ProcessGroups, Topology
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from lightning.fabric.utilities.types import _PATH
+    from torch.optim import Optimizer
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 300.0
+START_METHODS = ("popen", "spawn", "fork")
+BACKENDS = (None, "gloo", "nccl", "mpi")
+
+
+class HierStrategy(ParallelStrategy):
+    """Base class of the lightning-hier strategies (see the module docstring).
+
+    Args:
+        timeout: Seconds (or a ``timedelta``) a collective may wait before the run fails. Finite
+            by design: a hung rank fails the job after this long instead of blocking it forever.
+        start_method: ``'popen'`` re-runs the script per rank (the default; also what torchrun
+            and SLURM use), ``'spawn'`` or ``'fork'`` start ranks with multiprocessing (needed
+            inside notebooks, tests and Hydra multiruns).
+        process_group_backend: ``'gloo'``, ``'nccl'``, ``'mpi'`` or ``None`` (NCCL on CUDA, gloo
+            otherwise).
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin:
+            Set by the Trainer; as in Lightning's own strategies.
+    """
+
+    strategy_name: ClassVar[str] = ""
+    """Registry name; ``name``, ``name_spawn`` and ``name_fork`` are registered on import."""
+
+    def __init__(
+        self,
+        timeout: float | timedelta = DEFAULT_TIMEOUT_S,
+        start_method: str = "popen",
+        process_group_backend: str | None = None,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        owner = type(self).__name__
+        seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
+        v.check_float(owner, "timeout", seconds, low=0.0, high=7 * 24 * 3600.0, low_inclusive=False)
+        self._timeout = timedelta(seconds=float(seconds))
+        self._start_method = v.check_choice(owner, "start_method", start_method, START_METHODS)
+        self._process_group_backend = v.check_choice(owner, "process_group_backend", process_group_backend, BACKENDS)
+        self._num_nodes = 1
+        self._groups: ProcessGroups | None = None
+        self._failures: FailureBoard | None = None
+        self._restored: dict[str, Any] | None = None
+        self._eval_stack: ExitStack | None = None
+        self.comm_stats = CommStats()
+        self.last_metrics: dict[str, float] = {}
+
+    # ------------------------------------------------------------------ layout and ranks
+    def _layout(self) -> dict[str, int]:
+        """Inner grid sizes (``pipe``, ``model``) of this strategy; data parallel by default."""
+        return {}
+
+    @property
+    def topology(self) -> Topology:
+        """The validated rank layout (pure arithmetic; available before processes start)."""
+        return Topology(world_size=self.num_nodes * self.num_processes, num_nodes=self.num_nodes, **self._layout())
+
+    @property
+    def groups(self) -> ProcessGroups:
+        """This rank's process groups (after ``setup_environment``)."""
+        if self._groups is None:
+            raise RuntimeError(f"{type(self).__name__}: process groups are built in setup_environment().")
+        return self._groups
+
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def is_distributed(self) -> bool:
+        # Lightning injects a DistributedSampler and reduces `sync_dist` logs only when True
+        return True
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # shard data by the data-parallel coordinate only: ranks of one replica see the same data
+        topo = self.topology
+        return {"num_replicas": topo.data, "rank": topo.coords(self.global_rank).data}
+
+    @property
+    def process_group_backend(self) -> str:
+        if self._process_group_backend is not None:
+            return self._process_group_backend
+        return "nccl" if self.root_device.type == "cuda" else "gloo"
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
+
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        _ = self.topology  # validate the layout in the main process, before any rank starts
+        if self._start_method == "popen":
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)  # type: ignore[arg-type]
+
+    # ------------------------------------------------------------------ process groups
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self.set_world_ranks()
+        assert self.cluster_environment is not None
+        if not dist.is_initialized():
+            os.environ["MASTER_ADDR"] = self.cluster_environment.main_address
+            os.environ["MASTER_PORT"] = str(self.cluster_environment.main_port)
+            dist.init_process_group(
+                self.process_group_backend,
+                rank=self.global_rank,
+                world_size=self.world_size,
+                timeout=self._timeout,
+            )
+        if self._groups is None:
+            self._groups = self.topology.build(self.global_rank, timeout=self._timeout)
+        self._start_failure_board()
+
+    def _start_failure_board(self) -> None:
+        if self._failures is None:
+            token = broadcast_object(uuid.uuid4().hex if self.global_rank == 0 else None, 0, dist.group.WORLD)
+            grace = min(3.0, self._timeout.total_seconds() / 4)
+            self._failures = FailureBoard(
+                dist.distributed_c10d._get_default_store(),
+                self.global_rank,
+                self.world_size,
+                prefix=f"lightning_hier/{token}",
+                grace_s=grace,
+            )
+        self._failures.start_watchdog()
+
+    # ------------------------------------------------------------------ set-up of the model
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self.model = self._setup_model(self.model)
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if self._restored is None:
+            self._sync_initial_state()
+        if fitting:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if fitting:
+            _optimizers_to_device(self.optimizers, self.root_device)
+            self._setup_algorithm(trainer)
+            if self._restored is not None:
+                self._load_algorithm_state(self._restored.get("algorithm", {}))
+                self.comm_stats.load_state_dict(self._restored["comm"])
+                # last: the RNG must continue exactly where the saved run was
+                restore_rng(self._restored["rng"])
+
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    def _sync_initial_state(self) -> None:
+        """Make every rank start from rank 0's weights (DDP does this in its constructor)."""
+        assert self.lightning_module is not None
+        tensors = list(self.lightning_module.parameters()) + list(self.lightning_module.buffers())
+        with torch.no_grad():
+            broadcast_([t.data for t in tensors], src=0, group=dist.group.WORLD)
+
+    def _setup_algorithm(self, trainer: pl.Trainer) -> None:
+        """Build the algorithm object (called at the end of ``setup`` when fitting)."""
+
+    def _finalize_algorithm(self) -> None:
+        """Leave the consensus model in every rank's module (called at the end of fit)."""
+
+    @contextmanager
+    def _consensus(self) -> Iterator[None]:
+        """Temporarily hold the consensus model in the module (validation during fit, saving)."""
+        yield
+
+    def _algorithm_state(self) -> dict[str, Any]:
+        """This rank's algorithm state for checkpoints (tensors and plain types)."""
+        return {}
+
+    def _load_algorithm_state(self, state: dict[str, Any]) -> None:
+        """Inverse of :meth:`_algorithm_state`, applied at the end of ``setup`` on resume."""
+
+    def _require_single_optimizer(self) -> Optimizer:
+        if len(self.optimizers) != 1:
+            raise NotImplementedError(
+                f"{type(self).__name__} supports exactly one optimizer; configure_optimizers returned "
+                f"{len(self.optimizers)}. Combine the parameter groups into one optimizer."
+            )
+        return self.optimizers[0]
+
+    def _log(self, metrics: dict[str, float]) -> None:
+        """Record per-round metrics; logged through the LightningModule when logging is allowed."""
+        self.last_metrics.update(metrics)
+        module = self.lightning_module
+        if module is not None and module._current_fx_name in ("optimizer_step", "training_step"):
+            module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
+
+    # ------------------------------------------------------------------ lifecycle hooks
+    def on_validation_start(self) -> None:
+        self._eval_stack = ExitStack()
+        self._eval_stack.enter_context(self._consensus())
+
+    def on_validation_end(self) -> None:
+        if self._eval_stack is not None:
+            self._eval_stack.close()
+            self._eval_stack = None
+
+    def on_train_start(self) -> None:
+        self._restored = None  # everything restored by now (optimizer states come after setup)
+
+    def on_train_end(self) -> None:
+        self._finalize_algorithm()
+
+    def on_exception(self, exception: BaseException) -> None:
+        board = self._failures
+        if board is not None:
+            board.report(f"{type(exception).__name__}: {_first_line(exception)}")
+            if is_communication_error(exception):
+                _append_message(exception, board.describe(board.wait_for_reports()))
+            board.stop_watchdog()
+        launcher = self.launcher
+        if isinstance(launcher, _SubprocessScriptLauncher):
+            launcher.kill(signal.SIGKILL)  # children blocked in collectives never see SIGTERM
+
+    def teardown(self) -> None:
+        if self._failures is not None:
+            self._failures.stop_watchdog()
+        # keep the process group alive (as DDP does): trainer.save_checkpoint() after fit needs it
+        super().teardown()
+
+    # ------------------------------------------------------------------ collectives
+    def barrier(self, name: str | None = None) -> None:
+        if dist.is_initialized():
+            dist.barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not dist.is_initialized():
+            return obj
+        return broadcast_object(obj, src, dist.group.WORLD)
+
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    # ------------------------------------------------------------------ checkpoints
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The consensus model: what ``trainer.save_checkpoint`` stores as ``state_dict``."""
+        assert self.lightning_module is not None
+        with self._consensus():
+            return ckpt.detach_state(self.lightning_module.state_dict())
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        """Gather every rank's state into the checkpoint; rank 0 writes it atomically.
+
+        A collective: every rank must call it (``trainer.save_checkpoint`` does). Calling it on
+        rank 0 only (``if trainer.is_global_zero: trainer.save_checkpoint(...)``) deadlocks.
+        """
+        filepath = self.broadcast(filepath)
+        if "optimizer_states" in checkpoint:  # a full checkpoint, not weights_only
+            states = gather_objects(self._rank_state(checkpoint), dst=0, group=dist.group.WORLD)
+            if self.is_global_zero:
+                assert states is not None
+                checkpoint[ckpt.STATE_KEY] = ckpt.strategy_section(
+                    self.strategy_name or type(self).__name__, self.topology.describe(), states
+                )
+        if not self.is_global_zero:
+            return
+        if storage_options is None and "://" not in str(filepath):
+            ckpt.atomic_save(checkpoint, filepath)
+        else:
+            self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def _rank_state(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
+        assert self.lightning_module is not None
+        return {
+            "model": ckpt.detach_state(self.lightning_module.state_dict()),
+            "optimizer_states": checkpoint.get("optimizer_states", []),
+            "rng": capture_rng(),
+            "algorithm": ckpt.detach_state(self._algorithm_state()),
+            "comm": self.comm_stats.state_dict(),
+        }
+
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
+        module = self.lightning_module
+        fitting = module is not None and module._trainer is not None and module.trainer.state.fn == TrainerFn.FITTING
+        if fitting:
+            self._restored = ckpt.select_rank_state(
+                checkpoint,
+                str(checkpoint_path),
+                self.strategy_name or type(self).__name__,
+                self.topology.describe(),
+                self.global_rank,
+            )
+        return checkpoint
+
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        assert self.lightning_module is not None
+        state = self._restored["model"] if self._restored is not None else checkpoint["state_dict"]
+        self.lightning_module.load_state_dict(state, strict=strict)
+
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        states = self._restored["optimizer_states"] if self._restored is not None else checkpoint["optimizer_states"]
+        for optimizer, state in zip(self.optimizers, states, strict=True):
+            optimizer.load_state_dict(state)
+            _optimizer_to_device(optimizer, self.root_device)
+
+    # ------------------------------------------------------------------ registration
+    @classmethod
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        if cls.strategy_name:
+            cls._register_family(strategy_registry, cls.strategy_name)
+
+    @classmethod
+    def _register_family(cls, registry: _StrategyRegistry, name: str, **init_params: Any) -> None:
+        """Register ``name`` (popen), ``name_spawn`` and ``name_fork`` with fixed arguments."""
+        doc = (cls.__doc__ or cls.__name__).strip().splitlines()[0]
+        for suffix, method in (("", "popen"), ("_spawn", "spawn"), ("_fork", "fork")):
+            registry.register(
+                f"{name}{suffix}",
+                cls,
+                description=f"{doc} (start_method='{method}')",
+                override=True,
+                start_method=method,
+                **init_params,
+            )
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:500] if text else repr(exc)
+
+
+def _append_message(exc: BaseException, note: str) -> None:
+    """Append ``note`` to the exception's message (kept in ``str(exc)`` and in tracebacks)."""
+    if exc.args and isinstance(exc.args[0], str):
+        exc.args = (f"{exc.args[0]}\n{note}", *exc.args[1:])
+    elif hasattr(exc, "add_note"):  # Python >= 3.11
+        exc.add_note(note)

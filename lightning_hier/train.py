@@ -1,0 +1,141 @@
+"""Hydra entry point: ``python -m lightning_hier.train [group=option ...] [key=value ...]``.
+
+With no arguments it trains an MLP on the embedded 8x8 digits with 2 CPU processes and prints a
+short summary. Examples::
+
+    python -m lightning_hier.train strategy=localsgd strategy.tau=4 trainer.max_epochs=5
+    python -m lightning_hier.train -m strategy=ddp,localsgd          # a sweep: one job per strategy
+    python -m lightning_hier.train experiment=cifar10_resnet20 data.root=/data/cifar10
+
+Config groups (``conf/``): ``strategy`` (registry names, plus Lightning's ``ddp`` baseline),
+``model``, ``data``, ``trainer`` and ``experiment`` (presets that set several groups).
+Only this module, ``conf/`` and ``recipes/`` know Hydra; everything else is plain Python.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import hydra
+import lightning.pytorch as pl
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from hydra.utils import instantiate
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from omegaconf import DictConfig, OmegaConf
+
+import lightning_hier  # noqa: F401  registers the strategy names in every process
+from lightning_hier.callbacks import ThroughputMonitor
+from lightning_hier.models import Classifier
+
+
+def conf_dir() -> Path:
+    """The packaged ``lightning_hier/conf`` (installed), else the repository's top-level ``conf/``."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "conf", here.parent / "conf"):
+        if (candidate / "train.yaml").is_file():
+            return candidate
+    raise FileNotFoundError(f"lightning_hier: no conf/train.yaml next to {here} or in its parent.")
+
+
+def resolve_start_method(value: str, multirun: bool) -> str:
+    """``'auto'``: popen for a single run (also right under torchrun/SLURM), fork in a sweep.
+
+    A sweep cannot use popen: Lightning's popen launcher re-runs the command line, i.e. the
+    whole sweep, in every child process.
+    """
+    if value != "auto":
+        return value
+    return "fork" if multirun else "popen"
+
+
+@dataclass
+class Summary:
+    """What a run prints at the end."""
+
+    strategy: str
+    world_size: int
+    num_nodes: int
+    epochs: int
+    val_acc: float | None
+    samples_per_s: float | None
+    seconds: float
+    output_dir: str
+
+    def format(self) -> str:
+        acc = "n/a" if self.val_acc is None else f"{self.val_acc:.4f}"
+        sps = "n/a" if self.samples_per_s is None else f"{self.samples_per_s:,.0f}"
+        rows = [
+            ("strategy", self.strategy),
+            (
+                "world size",
+                f"{self.world_size} ({self.num_nodes} node(s) x {self.world_size // self.num_nodes} processes)",
+            ),
+            ("epochs", str(self.epochs)),
+            ("val accuracy", acc),
+            ("samples/s", f"{sps} (training only, all replicas)"),
+            ("time", f"{self.seconds:.1f} s (fit, including start-up)"),
+            ("output dir", self.output_dir),
+        ]
+        width = max(len(k) for k, _ in rows)
+        lines = [f"  {k:<{width}}  {v}" for k, v in rows]
+        bar = "-" * max(len(line) for line in lines)
+        return "\n".join([bar, "  lightning-hier run summary", bar, *lines, bar])
+
+
+def _metric(trainer: pl.Trainer, key: str) -> float | None:
+    value = trainer.callback_metrics.get(key)
+    return None if value is None else float(value)
+
+
+def run(cfg: DictConfig, output_dir: str, multirun: bool = False) -> Summary:
+    """Build data, model, strategy and trainer from ``cfg``, fit, and summarise."""
+    pl.seed_everything(cfg.seed, workers=True, verbose=False)
+    datamodule = instantiate(cfg.data)
+    net = instantiate(cfg.model)(input_shape=datamodule.input_shape, num_classes=datamodule.num_classes)
+    module = Classifier(net, datamodule.num_classes, **OmegaConf.to_container(cfg.optim, resolve=True))  # type: ignore[arg-type]
+    strategy_cfg = OmegaConf.to_container(cfg.strategy, resolve=True)
+    assert isinstance(strategy_cfg, dict)
+    if "start_method" in strategy_cfg:
+        strategy_cfg["start_method"] = resolve_start_method(str(strategy_cfg["start_method"]), multirun)
+    strategy = instantiate(strategy_cfg)
+    trainer: pl.Trainer = instantiate(
+        cfg.trainer,
+        strategy=strategy,
+        default_root_dir=output_dir,
+        logger=CSVLogger(output_dir, name="logs"),
+        callbacks=[ThroughputMonitor()],
+    )
+    start = time.perf_counter()
+    trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+    if cfg.get("test_after_fit"):
+        trainer.test(module, datamodule=datamodule)
+    name = cfg.strategy.get("_target_", "?").rsplit(".", 1)[-1]
+    return Summary(
+        strategy=HydraConfig.get().runtime.choices.get("strategy", name) if HydraConfig.initialized() else name,
+        world_size=trainer.world_size,
+        num_nodes=trainer.num_nodes,
+        epochs=int(_metric(trainer, "progress/epochs") or trainer.current_epoch),
+        val_acc=_metric(trainer, "val/acc"),
+        samples_per_s=_metric(trainer, "throughput/samples_per_s"),
+        seconds=time.perf_counter() - start,
+        output_dir=output_dir,
+    )
+
+
+@hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name="train")
+def main(cfg: DictConfig) -> Any:
+    """Hydra entry point; returns the final validation accuracy (for sweepers)."""
+    hc = HydraConfig.get()
+    summary = run(cfg, hc.runtime.output_dir, multirun=hc.mode == RunMode.MULTIRUN)
+    if rank_zero_only.rank == 0:  # type: ignore[attr-defined]  # popen children re-run main(); only rank 0 reports
+        print(summary.format(), flush=True)
+    return summary.val_acc
+
+
+if __name__ == "__main__":
+    main()
