@@ -92,31 +92,47 @@ def _metric(trainer: pl.Trainer, key: str) -> float | None:
     return None if value is None else float(value)
 
 
-def run(cfg: DictConfig, output_dir: str, multirun: bool = False) -> Summary:
-    """Build data, model, strategy and trainer from ``cfg``, fit, and summarise."""
-    pl.seed_everything(cfg.seed, workers=True, verbose=False)
-    datamodule = instantiate(cfg.data)
-    net = instantiate(cfg.model)(input_shape=datamodule.input_shape, num_classes=datamodule.num_classes)
-    module = Classifier(net, datamodule.num_classes, **OmegaConf.to_container(cfg.optim, resolve=True))  # type: ignore[arg-type]
+def build_strategy(cfg: DictConfig, multirun: bool = False) -> Any:
+    """Instantiate ``cfg.strategy``, resolving ``start_method: auto``."""
     strategy_cfg = OmegaConf.to_container(cfg.strategy, resolve=True)
     assert isinstance(strategy_cfg, dict)
     if "start_method" in strategy_cfg:
         strategy_cfg["start_method"] = resolve_start_method(str(strategy_cfg["start_method"]), multirun)
-    strategy = instantiate(strategy_cfg)
-    trainer: pl.Trainer = instantiate(
-        cfg.trainer,
-        strategy=strategy,
-        default_root_dir=output_dir,
-        logger=CSVLogger(output_dir, name="logs"),
-        callbacks=[ThroughputMonitor()],
-    )
+    return instantiate(strategy_cfg)
+
+
+def build_module(cfg: DictConfig, datamodule: Any) -> Classifier:
+    """The network of ``cfg.model`` sized for ``datamodule``, wrapped in a :class:`Classifier`."""
+    net = instantiate(cfg.model)(input_shape=datamodule.input_shape, num_classes=datamodule.num_classes)
+    optim: dict[str, Any] = OmegaConf.to_container(cfg.optim, resolve=True)  # type: ignore[assignment]
+    return Classifier(net, datamodule.num_classes, **optim)
+
+
+def build_trainer(cfg: DictConfig, strategy: Any, output_dir: str, **overrides: Any) -> pl.Trainer:
+    """The Trainer of ``cfg.trainer`` writing logs and checkpoints under ``output_dir``."""
+    kwargs: dict[str, Any] = {
+        "strategy": strategy,
+        "default_root_dir": output_dir,
+        "logger": CSVLogger(output_dir, name="logs"),
+        "callbacks": [ThroughputMonitor()],
+    }
+    kwargs.update(overrides)
+    return instantiate(cfg.trainer, **kwargs)
+
+
+def run(cfg: DictConfig, output_dir: str, multirun: bool = False) -> Summary:
+    """Build data, model, strategy and trainer from ``cfg``, fit, and summarise."""
+    pl.seed_everything(cfg.seed, workers=True, verbose=False)
+    datamodule = instantiate(cfg.data)
+    module = build_module(cfg, datamodule)
+    trainer = build_trainer(cfg, build_strategy(cfg, multirun), output_dir)
     start = time.perf_counter()
     trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
     if cfg.get("test_after_fit"):
         trainer.test(module, datamodule=datamodule)
-    name = cfg.strategy.get("_target_", "?").rsplit(".", 1)[-1]
+    choices = HydraConfig.get().runtime.choices if HydraConfig.initialized() else {}
     return Summary(
-        strategy=HydraConfig.get().runtime.choices.get("strategy", name) if HydraConfig.initialized() else name,
+        strategy=str(choices.get("strategy", cfg.strategy.get("_target_", "?").rsplit(".", 1)[-1])),
         world_size=trainer.world_size,
         num_nodes=trainer.num_nodes,
         epochs=int(_metric(trainer, "progress/epochs") or trainer.current_epoch),

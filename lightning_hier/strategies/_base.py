@@ -179,7 +179,7 @@ class HierStrategy(ParallelStrategy):
         if self._start_method == "popen":
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
-            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)  # type: ignore[arg-type]
+            self._launcher = _ReportingLauncher(self, start_method=self._start_method)  # type: ignore[arg-type]
 
     # ------------------------------------------------------------------ process groups
     def setup_environment(self) -> None:
@@ -408,6 +408,22 @@ class HierStrategy(ParallelStrategy):
                 start_method=method,
                 **init_params,
             )
+
+
+class _ReportingLauncher(_MultiProcessingLauncher):
+    """Lightning's spawn/fork launcher, plus failure handling inside each child.
+
+    Lightning calls ``strategy.on_exception`` only in the parent process; a child rank that
+    raises (or whose collective times out) would die without reporting, so its peers could not
+    name it. This wrapper runs the strategy's handler in the child before the error propagates.
+    """
+
+    def _wrapping_function(self, *args: Any, **kwargs: Any) -> None:
+        try:
+            super()._wrapping_function(*args, **kwargs)
+        except BaseException as exc:
+            self._strategy.on_exception(exc)
+            raise
 
 
 def _first_line(exc: BaseException) -> str:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
+import pickle
 import signal
 import sys
 import time
@@ -163,10 +164,12 @@ def _worker_main(
                 communication=is_communication_error(exc),
             )
             code = 1
+        # plain pickle: multiprocessing's pickler ships tensors as shared-memory handles that die
+        # with this process, which exits right after sending
         try:
-            conn.send(report)
+            conn.send_bytes(pickle.dumps(report))
         except Exception as exc:  # e.g. an unpicklable result
-            conn.send(_Report(rank, False, summary=f"could not send the result: {exc!r}", traceback=""))
+            conn.send_bytes(pickle.dumps(_Report(rank, False, summary=f"could not send the result: {exc!r}")))
             code = 1
     finally:
         sys.stdout.flush()
@@ -204,7 +207,7 @@ def _collect(procs: list[mp.process.BaseProcess], readers: list[mpc.Connection],
                 continue
             if reader.poll():
                 try:
-                    reports[rank] = reader.recv()
+                    reports[rank] = pickle.loads(reader.recv_bytes())
                     continue
                 except (EOFError, OSError):
                     pass

@@ -1,0 +1,52 @@
+"""A non-editable install ships conf/ inside the package, so the entry point works anywhere."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_wheel_contains_conf_and_entry_point_composes_from_it(tmp_path):
+    target = tmp_path / "site"
+    build = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--no-deps",
+            "--no-build-isolation",
+            "--target",
+            str(target),
+            str(REPO),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert build.returncode == 0, build.stderr[-3000:]
+    packaged = target / "lightning_hier" / "conf"
+    assert (packaged / "train.yaml").is_file() and (packaged / "strategy" / "localsgd.yaml").is_file()
+    # run from an unrelated directory with only the installed copy importable
+    proc = subprocess.run(
+        [sys.executable, "-c", "import lightning_hier.train as t; print(t.conf_dir())"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env={"PYTHONPATH": str(target), "PATH": ""},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert Path(proc.stdout.strip()) == packaged
+    cfg = subprocess.run(
+        [sys.executable, "-m", "lightning_hier.train", "--cfg", "job", "strategy=ddp"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env={"PYTHONPATH": str(target), "PATH": ""},
+    )
+    assert cfg.returncode == 0, cfg.stderr[-3000:]
+    assert "DDPStrategy" in cfg.stdout

@@ -1,0 +1,111 @@
+"""A rank that raises or hangs fails the whole fit quickly, names the rank, and leaves no process behind."""
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_hier import LocalSGDStrategy
+from lightning_hier.testing import WorkerFailed, run_workers
+
+SCRIPT = Path(__file__).parent / "scripts" / "failing_fit.py"
+
+
+class Failing(pl.LightningModule):
+    def __init__(self, mode: str) -> None:
+        super().__init__()
+        self.mode = mode
+        self.lin = torch.nn.Linear(4, 2)
+
+    def training_step(self, batch, batch_idx):
+        if self.global_rank == 1 and batch_idx == 2:
+            if self.mode == "raise":
+                raise ValueError("rank one broke")
+            time.sleep(3600)
+        x, y = batch
+        return torch.nn.functional.cross_entropy(self.lin(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _fit(mode: str, start_method: str = "popen", timeout: float = 4.0) -> None:
+    data = DataLoader(TensorDataset(torch.randn(64, 4), torch.randint(0, 2, (64,))), batch_size=4)
+    trainer = pl.Trainer(
+        strategy=LocalSGDStrategy(tau=1, timeout=timeout, start_method=start_method),
+        accelerator="cpu",
+        devices=2,
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(Failing(mode), data)
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            out.append(int(stat.parent.name))
+    return out
+
+
+def test_raising_rank_is_named_by_its_peers():
+    with pytest.raises(WorkerFailed, match="rank 1 raised ValueError: rank one broke"):
+        run_workers(_fit, "raise", devices=2, timeout=60)
+
+
+def test_hung_rank_fails_the_fit_within_the_timeout_and_is_named():
+    start = time.monotonic()
+    with pytest.raises(WorkerFailed) as info:
+        run_workers(_fit, "hang", devices=2, timeout=60)
+    elapsed = time.monotonic() - start
+    # rank 0's collective timed out (4 s) and it names the silent rank; the watchdog ended rank 1
+    assert "No failure report from rank(s) [1]" in str(info.value)
+    assert info.value.rank == 0
+    assert elapsed < 30, f"took {elapsed:.1f} s"
+
+
+@pytest.mark.parametrize("mode", ["raise", "hang"])
+def test_fork_launcher_fails_fast_and_leaves_no_orphans(mode):
+    start = time.monotonic()
+    with pytest.raises(Exception) as info:
+        _fit(mode, start_method="fork")
+    elapsed = time.monotonic() - start
+    assert re.search(r"rank one broke|No failure report from rank\(s\) \[1\]", str(info.value)), str(info.value)
+    assert elapsed < 30, f"took {elapsed:.1f} s"
+    time.sleep(0.5)
+    assert _children(os.getpid()) == []
+
+
+@pytest.mark.parametrize("mode", ["raise", "hang"])
+def test_popen_launcher_fails_fast_names_the_rank_and_leaves_no_orphans(mode, tmp_path):
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), mode, "4"], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
+    elapsed = time.monotonic() - start
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert ("rank one broke" if mode == "raise" else "No failure report from rank(s) [1]") in output, output[-3000:]
+    assert elapsed < 60, f"took {elapsed:.1f} s"
+    time.sleep(1.0)
+    pids = [int(p) for p in re.findall(r"PID (\d+)", proc.stdout)]
+    assert len(pids) == 2, proc.stdout
+    alive = [
+        p for p in pids if Path(f"/proc/{p}").exists() and "Z" not in Path(f"/proc/{p}/stat").read_text().split()[2]
+    ]
+    assert alive == []

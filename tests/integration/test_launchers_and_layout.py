@@ -1,0 +1,119 @@
+"""Registry names, the three launchers, simulated multi-node layouts and argument checks."""
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+import lightning_hier
+from lightning_hier import STRATEGIES, HierStrategy, LocalSGDStrategy
+from lightning_hier.testing import run_workers
+from tests.helpers import digits, digits_classifier, flat_params, trainer
+
+
+@pytest.mark.parametrize("cls", STRATEGIES)
+@pytest.mark.parametrize(("suffix", "method"), [("", "popen"), ("_spawn", "spawn"), ("_fork", "fork")])
+def test_registry_names_resolve_in_the_trainer(cls, suffix, method):
+    t = pl.Trainer(strategy=cls.strategy_name + suffix, accelerator="cpu", devices=2, logger=False)
+    assert type(t.strategy) is cls
+    assert t.strategy._start_method == method
+
+
+def test_fork_launcher_returns_the_consensus_model_to_the_main_process():
+    module = digits_classifier()
+    t = trainer(strategy="localsgd_fork", max_epochs=2)
+    t.fit(module, datamodule=digits(batch_size=64))
+    assert t.callback_metrics["train/loss"] < 2.0
+    assert torch.isfinite(flat_params(module)).all()
+
+
+def test_spawn_launcher_fits():
+    module = digits_classifier()
+    t = trainer(strategy=LocalSGDStrategy(tau=2, start_method="spawn", timeout=60), max_epochs=1)
+    t.fit(module, datamodule=digits(batch_size=64))
+    assert "train/loss" in t.callback_metrics
+
+
+def _two_nodes() -> dict:
+    t = trainer(strategy=LocalSGDStrategy(tau=2, timeout=30), devices=2, num_nodes=2, max_epochs=1)
+    module = digits_classifier()
+    dm = digits(batch_size=32)
+    t.fit(module, datamodule=dm)
+    sampler = t.train_dataloader.sampler
+    groups = t.strategy.groups
+    return {
+        "ranks": (t.global_rank, t.local_rank, t.node_rank, t.world_size),
+        "sampler": (sampler.num_replicas, sampler.rank),
+        "kwargs": t.strategy.distributed_sampler_kwargs,
+        "node_group": torch.distributed.get_process_group_ranks(groups.node),
+        "data_group_is_world": groups.data is torch.distributed.group.WORLD,
+        "params": flat_params(module),
+    }
+
+
+def test_two_nodes_by_two_processes_layout():
+    out = run_workers(_two_nodes, devices=2, num_nodes=2)
+    assert [o["ranks"] for o in out] == [(0, 0, 0, 4), (1, 1, 0, 4), (2, 0, 1, 4), (3, 1, 1, 4)]
+    assert [o["sampler"] for o in out] == [(4, 0), (4, 1), (4, 2), (4, 3)]
+    assert [o["kwargs"] for o in out] == [{"num_replicas": 4, "rank": r} for r in range(4)]
+    assert [o["node_group"] for o in out] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert all(o["data_group_is_world"] for o in out)
+    assert all(torch.equal(o["params"], out[0]["params"]) for o in out)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"tau": 0}, r"LocalSGDStrategy: argument `tau` must be an integer >= 1, got 0"),
+        ({"tau": 2.5}, "`tau` must be an integer"),
+        ({"timeout": 0}, r"`timeout` must be a number in \(0.0"),
+        ({"timeout": float("inf")}, "`timeout`"),
+        ({"start_method": "threads"}, r"`start_method` must be one of 'popen', 'spawn', 'fork', got 'threads'"),
+        ({"process_group_backend": "ucc"}, "`process_group_backend`"),
+        ({"bucket_size_mb": 0}, "`bucket_size_mb`"),
+        ({"sync_buffers": "yes"}, "`sync_buffers` must be True or False"),
+    ],
+)
+def test_bad_arguments_fail_at_construction(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        LocalSGDStrategy(**kwargs)
+
+
+class _ThreeStages(HierStrategy):
+    strategy_name = ""
+
+    def _layout(self) -> dict[str, int]:
+        return {"pipe": 3}
+
+
+def test_bad_layout_fails_when_the_trainer_is_built_before_any_process_starts():
+    with pytest.raises(ValueError, match="world size 2 is not divisible by pipe x model = 3 x 1"):
+        pl.Trainer(strategy=_ThreeStages(), accelerator="cpu", devices=2, logger=False)
+
+
+class _TwoOptimizers(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        return None
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.a.parameters(), lr=0.1), torch.optim.SGD(self.b.parameters(), lr=0.1)
+
+
+def test_multiple_optimizers_are_rejected_clearly():
+    def fit() -> None:
+        data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(8, 2)), batch_size=2)
+        trainer(strategy=LocalSGDStrategy(timeout=30)).fit(_TwoOptimizers(), data)
+
+    with pytest.raises(Exception, match="supports exactly one optimizer; configure_optimizers returned 2"):
+        run_workers(fit, devices=2)
+
+
+def test_package_import_registers_names():
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    lightning_hier.register_all()  # idempotent
+    assert {"localsgd", "localsgd_spawn", "localsgd_fork"} <= set(StrategyRegistry)

@@ -1,0 +1,40 @@
+import io
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from lightning_hier import _validate as v
+from lightning_hier.rng import capture_rng, restore_rng
+
+
+def test_messages_name_owner_argument_value_and_allowed_range():
+    with pytest.raises(ValueError, match=r"S: argument `tau` must be an integer >= 1, got 0\."):
+        v.check_int("S", "tau", 0, minimum=1)
+    with pytest.raises(ValueError, match=r"argument `lam` must be a number in \(0.0, 1.0\], got 1.5"):
+        v.check_float("S", "lam", 1.5, 0.0, 1.0, low_inclusive=False)
+    with pytest.raises(ValueError, match=r"one of 'a', 'b'"):
+        v.check_choice("S", "mode", "c", ("a", "b"))
+    with pytest.raises(ValueError, match="True or False"):
+        v.check_bool("S", "flag", 1)
+    with pytest.raises(ValueError, match="an integer"):
+        v.check_int("S", "n", True)
+    with pytest.raises(ValueError, match="a number"):
+        v.check_float("S", "x", float("nan"))
+
+
+def test_accepted_values_pass_through():
+    assert v.check_int("S", "n", 3, minimum=1, maximum=3) == 3
+    assert v.check_float("S", "x", 1, 0.0, 1.0) == 1.0
+
+
+def test_rng_round_trip_and_weights_only_serialisation():
+    state = capture_rng()
+    first = (torch.rand(3), random.random(), np.random.rand())
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    restore_rng(torch.load(buf, weights_only=True))
+    second = (torch.rand(3), random.random(), np.random.rand())
+    assert torch.equal(first[0], second[0]) and first[1:] == second[1:]
