@@ -17,7 +17,6 @@ def test_wheel_contains_conf_and_entry_point_composes_from_it(tmp_path):
             "install",
             "--quiet",
             "--no-deps",
-            "--no-build-isolation",
             "--target",
             str(target),
             str(REPO),
