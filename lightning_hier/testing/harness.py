@@ -122,32 +122,54 @@ def run_workers(
         raise ValueError(f"run_workers: devices and num_nodes must be >= 1, got {devices} and {num_nodes}.")
     world = devices * num_nodes
     ctx = mp.get_context("fork")
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout))
     run_id = uuid.uuid4().hex[:12]
     procs: list[mp.process.BaseProcess] = []
     readers: list[mpc.Connection] = []
+    port_writers: list[mpc.Connection] = []
+    store: dist.TCPStore | None = None
     try:
+        # Fork every worker *before* the store exists: the store's server thread takes locks
+        # while it serves connections, and a child forked at that moment inherits them held.
         for rank in range(world):
             reader, writer = ctx.Pipe(duplex=False)
-            env = worker_env(rank, devices, num_nodes, store.port, run_id)
-            proc = ctx.Process(target=_worker_main, args=(fn, args, kwargs, rank, env, writer), name=f"rank{rank}")
+            port_reader, port_writer = ctx.Pipe(duplex=False)
+            layout = (rank, devices, num_nodes, run_id)
+            proc = ctx.Process(
+                target=_worker_main, args=(fn, args, kwargs, layout, port_reader, writer), name=f"rank{rank}"
+            )
             proc.start()
             writer.close()
+            port_reader.close()
             procs.append(proc)
             readers.append(reader)
+            port_writers.append(port_writer)
+        store = dist.TCPStore(
+            "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout)
+        )
+        for port_writer in port_writers:
+            port_writer.send(store.port)
         return _collect(procs, readers, timeout)
     finally:
         _kill(procs)
-        for reader in readers:
-            reader.close()
+        for conn in readers + port_writers:
+            conn.close()
         del store
 
 
 def _worker_main(
-    fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], rank: int, env: dict[str, str], conn: Any
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    layout: tuple[int, int, int, str],
+    port_conn: Any,
+    conn: Any,
 ) -> None:
     code = 0
+    rank, devices, num_nodes, run_id = layout
     try:
+        port = port_conn.recv()  # sent once every worker exists and the store is up
+        port_conn.close()
+        env = worker_env(rank, devices, num_nodes, port, run_id)
         for key in list(os.environ):
             if key.startswith(_FOREIGN_ENV_PREFIXES) or key in _FOREIGN_ENV:
                 del os.environ[key]
