@@ -55,6 +55,8 @@ from lightning_hier.algorithms.dbs_sampler import Allocation
 from lightning_hier.comm import CommStats, FlatTensors, all_reduce_sum_, group_size
 from lightning_hier.comm.collectives import Group
 
+TIMERS = ("wall", "cpu")
+
 
 def check_split(global_batch: int, world: int, min_size: int, max_size: int | None) -> None:
     """Raise ``ValueError`` unless ``global_batch`` can be split over ``world`` ranks within the bounds."""
@@ -214,7 +216,11 @@ class DynamicBatchSize:
             so all ranks keep identical models.
         bucket_bytes: Bucket size bound of the flat buffers reduced in one call.
         stats: Communication accounting; its blocked time is excluded from the compute time.
-        clock: Time source in seconds.
+        timer: ``'wall'``: elapsed time minus the time blocked in collectives (what a step costs;
+            right on GPUs and dedicated machines). ``'cpu'``: CPU time of this process
+            (``time.process_time``), which leaves out time spent waiting for a CPU, so load from other
+            processes on a shared machine is not taken for slowness; only meaningful when the model
+            computes on the CPU.
     """
 
     def __init__(
@@ -229,7 +235,7 @@ class DynamicBatchSize:
         buffers: Iterable[Tensor] = (),
         bucket_bytes: int | None = None,
         stats: CommStats | None = None,
-        clock: Callable[[], float] = time.perf_counter,
+        timer: str = "wall",
     ) -> None:
         if rebalance_every < 1 or warmup_steps < 0:
             raise ValueError(
@@ -248,7 +254,10 @@ class DynamicBatchSize:
         self.bucket_bytes = bucket_bytes
         extra = list(buffers)
         self.flat_buffers = FlatTensors(extra, bucket_bytes) if extra else None
-        self.clock = clock
+        if timer not in TIMERS:
+            raise ValueError(f"DynamicBatchSize: `timer` must be one of {', '.join(TIMERS)}, got {timer!r}.")
+        self.timer = timer
+        self.clock: Callable[[], float] = time.perf_counter if timer == "wall" else time.process_time
         self.allocation: Allocation | None = None
         self.steps = 0
         self.rebalances = 0
@@ -275,8 +284,9 @@ class DynamicBatchSize:
         )
         if sum(sizes) != global_batch or len(sizes) != self.world:
             raise ValueError(
-                f"DBS: the checkpoint's split {sizes} is not a split of global batch {global_batch} over "
-                f"{self.world} ranks; resume with the same global batch size."
+                f"DBS: the checkpoint was written with a global batch of {sum(sizes)} over {len(sizes)} ranks "
+                f"(split {sizes}), but this run has {global_batch} over {self.world}; resume with the same "
+                "global batch size."
             )
         self.allocation = Allocation(sizes, self.rank)
         return self.allocation
@@ -320,7 +330,9 @@ class DynamicBatchSize:
         if self._window is not None and self.steps > self.warmup_steps and not self._fresh:
             start, blocked = self._window
             idle = self.stats.blocked_s - blocked
-            self.meter.add(self._window_samples, self.clock() - start - idle, idle)
+            # CPU time does not advance while blocked; wall time must have the wait taken out
+            compute = self.clock() - start - (idle if self.timer == "wall" else 0.0)
+            self.meter.add(self._window_samples, compute, idle)
         self._fresh = False
         self._window = None
         self._window_samples = self._window_batches = 0

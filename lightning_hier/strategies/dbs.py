@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader
 
 from lightning_hier import _validate as v
 from lightning_hier.algorithms.averaging import float_buffers
-from lightning_hier.algorithms.dbs import DynamicBatchSize, check_split
+from lightning_hier.algorithms.dbs import TIMERS, DynamicBatchSize, check_split
 from lightning_hier.algorithms.dbs_sampler import dynamic_batch_loader
 from lightning_hier.callbacks.dbs import DBSCallback
 from lightning_hier.strategies._base import HierStrategy
@@ -64,6 +64,10 @@ class DBSStrategy(HierStrategy):
         max_batch_size: Largest per-rank batch, e.g. the memory limit (``None``: no bound but ``B``).
         warmup_steps: Optimizer steps at the start of training that are not measured (one-off
             costs); the first rebalance is after ``warmup_steps + rebalance_every`` steps.
+        timer: How compute time is measured: ``'wall'`` (elapsed time minus the time blocked in
+            collectives: what a step really costs; the default) or ``'cpu'`` (the process's CPU time:
+            on a shared CPU machine, other processes' load is then not taken for slowness; CPU
+            training only, e.g. with :class:`~lightning_hier.callbacks.Straggler` in ``'spin'`` mode).
         sync_buffers: Average floating-point buffers (BatchNorm statistics) with the same weights
             at every step, so every rank holds the same model.
         bucket_size_mb: Size bound of the flat gradient buffers reduced in one call (MiB).
@@ -88,6 +92,7 @@ class DBSStrategy(HierStrategy):
         min_batch_size: int = 1,
         max_batch_size: int | None = None,
         warmup_steps: int = 5,
+        timer: str = "wall",
         sync_buffers: bool = True,
         bucket_size_mb: float = 25.0,
         **kwargs: Any,
@@ -108,6 +113,7 @@ class DBSStrategy(HierStrategy):
         if self.global_batch_size is not None:
             v.check_int(owner, "global_batch_size", self.global_batch_size, minimum=self.min_batch_size)
         self.warmup_steps = v.check_int(owner, "warmup_steps", warmup_steps, minimum=0)
+        self.timer = v.check_choice(owner, "timer", timer, TIMERS)
         self.sync_buffers = v.check_bool(owner, "sync_buffers", sync_buffers)
         self.bucket_size_mb = v.check_float(owner, "bucket_size_mb", bucket_size_mb, low=0.0, low_inclusive=False)
         self.algorithm: DynamicBatchSize | None = None
@@ -135,6 +141,7 @@ class DBSStrategy(HierStrategy):
             min_batch_size=self.min_batch_size,
             max_batch_size=self.max_batch_size,
             warmup_steps=self.warmup_steps,
+            timer=self.timer,
             buffers=float_buffers(module) if self.sync_buffers else (),
             bucket_bytes=int(self.bucket_size_mb * 2**20),
             stats=self.comm_stats,
