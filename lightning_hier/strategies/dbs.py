@@ -123,11 +123,12 @@ class DBSStrategy(HierStrategy):
         if self.global_batch_size is not None:  # checked in the main process, before any rank starts
             self._check_split(self.global_batch_size)
 
-    def _check_split(self, global_batch: int) -> None:
+    def _check_split(self, global_batch: int, source: str = "") -> None:
         try:
             check_split(global_batch, self.topology.data, self.min_batch_size, self.max_batch_size)
         except ValueError as err:
-            raise ValueError(f"{type(self).__name__}: argument `global_batch_size`={global_batch}: {err}") from None
+            given = source or f"argument `global_batch_size`={global_batch}"
+            raise ValueError(f"{type(self).__name__}: {given}: {err}") from None
 
     # ------------------------------------------------------------------ set-up
     def _setup_algorithm(self, trainer: pl.Trainer) -> None:
@@ -157,7 +158,7 @@ class DBSStrategy(HierStrategy):
         stage = module.trainer.state.stage if module is not None and module._trainer is not None else None
         if stage != RunningStage.TRAINING or not isinstance(dataloader, DataLoader) or self.algorithm is None:
             return dataloader
-        global_batch = self.global_batch_size
+        global_batch, source = self.global_batch_size, ""
         if global_batch is None:
             if dataloader.batch_size is None:
                 raise ValueError(
@@ -165,7 +166,11 @@ class DBSStrategy(HierStrategy):
                     "set `global_batch_size`."
                 )
             global_batch = dataloader.batch_size * self.topology.data
-        self._check_split(global_batch)
+            source = (
+                f"`global_batch_size`=None gives the DataLoader's batch_size {dataloader.batch_size} x "
+                f"{self.topology.data} ranks = {global_batch}"
+            )
+        self._check_split(global_batch, source)
         allocation = self.algorithm.bind(global_batch)
         return dynamic_batch_loader(dataloader, allocation, seed=_global_seed())
 

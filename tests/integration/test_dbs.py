@@ -203,6 +203,7 @@ def test_resume_restores_the_split_and_estimates_and_continues_bit_identically(t
         ({"min_batch_size": 8, "max_batch_size": 4}, "`max_batch_size` must be an integer >= 8, got 4"),
         ({"global_batch_size": 4, "min_batch_size": 8}, "`global_batch_size` must be an integer >= 8, got 4"),
         ({"warmup_steps": -1}, "`warmup_steps` must be an integer >= 0"),
+        ({"timer": "gpu"}, "`timer` must be one of 'wall', 'cpu', got 'gpu'"),
         ({"sync_buffers": 1}, "`sync_buffers` must be True or False"),
         ({"bucket_size_mb": 0}, "`bucket_size_mb`"),
     ],
@@ -233,3 +234,12 @@ def test_dbs_callback_and_straggler_reject_misuse():
         Straggler(ranks=2).setup(t, None, "fit")
     with pytest.raises(ValueError, match=r"Straggler: argument `factor` must be a number in \[1.0, 100.0\]"):
         Straggler(factor=0.5)
+
+
+def test_global_batch_from_the_loader_is_checked_against_the_bounds():
+    def fit() -> None:
+        loader = DataLoader(TensorDataset(*_data()), batch_size=8)
+        trainer(strategy=DBSStrategy(max_batch_size=6, timeout=30)).fit(_model(), loader)
+
+    with pytest.raises(WorkerFailed, match=r"batch_size 8 x 2 ranks = 16: .* must lie in \[2, 12\]"):
+        run_workers(fit, devices=2)
