@@ -237,10 +237,10 @@ class DynamicBatchSize:
         stats: CommStats | None = None,
         timer: str = "wall",
     ) -> None:
-        if rebalance_every < 1 or warmup_steps < 0:
+        if rebalance_every < 1 or warmup_steps < 0 or timer not in TIMERS:
             raise ValueError(
-                f"DynamicBatchSize: need rebalance_every >= 1 and warmup_steps >= 0, got "
-                f"{rebalance_every} and {warmup_steps}."
+                f"DynamicBatchSize: need rebalance_every >= 1, warmup_steps >= 0 and timer in {TIMERS}, got "
+                f"{rebalance_every}, {warmup_steps} and {timer!r}."
             )
         self.params = [p for p in params if p.requires_grad]
         self.device = self.params[0].device if self.params else torch.device("cpu")
@@ -254,13 +254,12 @@ class DynamicBatchSize:
         self.bucket_bytes = bucket_bytes
         extra = list(buffers)
         self.flat_buffers = FlatTensors(extra, bucket_bytes) if extra else None
-        if timer not in TIMERS:
-            raise ValueError(f"DynamicBatchSize: `timer` must be one of {', '.join(TIMERS)}, got {timer!r}.")
         self.timer = timer
         self.clock: Callable[[], float] = time.perf_counter if timer == "wall" else time.process_time
         self.allocation: Allocation | None = None
         self.steps = 0
         self.rebalances = 0
+        self.last_rebalance_step = -1  # a step ends at most one period, even if asked twice
         self.history: list[dict[str, Any]] = []
         self._restored_sizes: list[int] | None = None
         self._fresh = True  # the first step after a (re)start carries one-off costs: not measured
@@ -341,11 +340,7 @@ class DynamicBatchSize:
     def due(self) -> bool:
         """Whether this step ends a rebalance period (the same answer on every rank)."""
         after = self.steps - self.warmup_steps
-        return after > 0 and after % self.rebalance_every == 0 and self.history_step != self.steps
-
-    @property
-    def history_step(self) -> int:
-        return int(self.history[-1]["step"]) if self.history else -1
+        return after > 0 and after % self.rebalance_every == 0 and self.last_rebalance_step != self.steps
 
     def rebalance(self, align: int = 1) -> dict[str, Any]:
         """All-gather the throughputs and split the global batch in proportion (a collective).
@@ -377,6 +372,7 @@ class DynamicBatchSize:
             "idle_s": [float(v) for v in table[:, 2]],
         }
         self.history.append(report)
+        self.last_rebalance_step = self.steps
         return report
 
     # ------------------------------------------------------------------ checkpoints
@@ -386,7 +382,7 @@ class DynamicBatchSize:
             "sizes": list(sizes) if sizes is not None else [],
             "steps": self.steps,
             "rebalances": self.rebalances,
-            "last_rebalance_step": self.history_step,
+            "last_rebalance_step": self.last_rebalance_step,
             "meter": self.meter.state_dict(),
         }
 
@@ -394,8 +390,7 @@ class DynamicBatchSize:
         """Restore the split and the throughput estimates (call before :meth:`bind`)."""
         self._restored_sizes = [int(b) for b in state["sizes"]] or None
         self.steps, self.rebalances = int(state["steps"]), int(state["rebalances"])
-        if int(state["last_rebalance_step"]) >= 0:
-            self.history = [{"step": int(state["last_rebalance_step"]), "sizes": self._restored_sizes}]
+        self.last_rebalance_step = int(state["last_rebalance_step"])
         self.meter.load_state_dict(state["meter"])
         if self.allocation is not None and self._restored_sizes is not None:
             self.allocation.update(self._restored_sizes, self.allocation.drawn)
