@@ -6,18 +6,15 @@ doi:10.7544/issn1000-1239.2019.20180880; the synchronous all-reduce form follows
 DBS (Ye et al., arXiv 2007.11831, code github.com/Soptq/Dynamic_Load_Balance_DistributedDNN).
 
 A fixed global batch ``B`` is split over the ``W`` ranks in proportion to their measured speed, so
-every rank's step takes about the same time and nobody waits for a straggler::
+every rank's step takes about the same time::
 
-    start: b_w = B / W (largest remainder)
-    every step: t_w = pure compute time (forward + backward + optimizer step, minus the time
-                blocked in collectives); accumulate samples_w and t_w
-    every `rebalance_every` steps: v_w = EMA of samples_w / t_w ; all-gather v
-                b = integer split of B proportional to v, sum exactly B, each in [b_min, b_max]
+    start: b_w = B / W; every step: t_w = compute time (forward, backward, optimizer step, without
+    the time blocked in collectives); every `rebalance_every` steps: v_w = EMA of samples_w / t_w,
+    all-gather v, b = split of B proportional to v (largest remainder, sum B, within bounds)
     gradient = sum_w (b_w / B) * mean_grad_w      # one SUM all-reduce of the weighted gradients
 
-The weighting makes the result the per-sample mean over the global batch whatever the split, so
-one step equals single-process SGD on the concatenated batch. The data side (every rank runs the
-same number of steps per epoch, the split may change at any step) is in
+The weighting makes the gradient the per-sample mean over the global batch whatever the split, so a
+step equals single-process SGD on the concatenated batch. The data side is in
 :mod:`lightning_hier.algorithms.dbs_sampler`. The asynchronous parameter-server form of the 2019
 paper is not implemented (it would need ``torch.distributed.rpc``).
 
@@ -45,6 +42,7 @@ import bisect
 import math
 import time
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -148,6 +146,7 @@ def shard_sizes(num_samples: int, sizes: Sequence[int]) -> tuple[int, list[int]]
     return steps, [steps * int(b) for b in sizes]
 
 
+@dataclass
 class ThroughputMeter:
     """Samples per second of pure compute, averaged over windows and smoothed across them.
 
@@ -156,15 +155,16 @@ class ThroughputMeter:
             window sets ``v`` directly (no bias toward zero).
     """
 
-    def __init__(self, ema: float) -> None:
-        if not 0.0 <= ema < 1.0:
-            raise ValueError(f"ThroughputMeter: `ema` must be in [0, 1), got {ema}.")
-        self.ema = ema
-        self.estimate = 0.0  # 0: nothing measured yet
-        self.samples = 0
-        self.compute_s = 0.0
-        self.idle_s = 0.0
-        self.steps = 0
+    ema: float
+    estimate: float = 0.0  # 0: nothing measured yet
+    samples: int = 0
+    compute_s: float = 0.0
+    idle_s: float = 0.0
+    steps: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.ema < 1.0:
+            raise ValueError(f"ThroughputMeter: `ema` must be in [0, 1), got {self.ema}.")
 
     def add(self, samples: int, compute_s: float, idle_s: float) -> None:
         """Record one measured step."""
@@ -175,10 +175,8 @@ class ThroughputMeter:
 
     def close_window(self) -> dict[str, float]:
         """Fold the window into the estimate; returns the window's per-step means and the estimate."""
-        window = {
-            "compute_s": self.compute_s / self.steps if self.steps else 0.0,
-            "idle_s": self.idle_s / self.steps if self.steps else 0.0,
-        }
+        per_step = max(self.steps, 1)
+        window = {"compute_s": self.compute_s / per_step, "idle_s": self.idle_s / per_step}
         if self.steps and self.compute_s > 0:
             rate = self.samples / self.compute_s
             self.estimate = rate if self.estimate <= 0 else self.ema * self.estimate + (1 - self.ema) * rate
@@ -187,12 +185,11 @@ class ThroughputMeter:
         return window
 
     def state_dict(self) -> dict[str, float | int]:
-        keys = ("estimate", "samples", "compute_s", "idle_s", "steps")
-        return {k: getattr(self, k) for k in keys}
+        return {k: v for k, v in asdict(self).items() if k != "ema"}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.estimate, self.compute_s, self.idle_s = (float(state[k]) for k in ("estimate", "compute_s", "idle_s"))
-        self.samples, self.steps = int(state["samples"]), int(state["steps"])
+        for key, value in state.items():
+            setattr(self, key, type(getattr(self, key))(value))
 
 
 class DynamicBatchSize:
@@ -216,11 +213,11 @@ class DynamicBatchSize:
             so all ranks keep identical models.
         bucket_bytes: Bucket size bound of the flat buffers reduced in one call.
         stats: Communication accounting; its blocked time is excluded from the compute time.
-        timer: ``'wall'``: elapsed time minus the time blocked in collectives (what a step costs;
-            right on GPUs and dedicated machines). ``'cpu'``: CPU time of this process
+        timer: ``'wall'``: elapsed time minus the time blocked in collectives (what a step costs; on a
+            GPU the device is synchronised around the gradient all-reduce and at the end of the step,
+            so compute and waiting are told apart). ``'cpu'``: CPU time of this process
             (``time.process_time``), which leaves out time spent waiting for a CPU, so load from other
-            processes on a shared machine is not taken for slowness; only meaningful when the model
-            computes on the CPU.
+            processes on a shared machine is not taken for slowness; CPU training only.
     """
 
     def __init__(
@@ -321,11 +318,15 @@ class DynamicBatchSize:
         if self.flat_buffers is not None:
             buckets = buckets + self.flat_buffers.buckets
         torch._foreach_mul_(buckets, weight)
+        _synchronize(self.device)  # on a GPU, the compute so far must be finished before timing the wait
         all_reduce_sum_(buckets, self.group, self.stats)
+        with self.stats.blocked():  # NCCL's wait() does not block the host: wait for the result here
+            _synchronize(self.device)
 
     def end_step(self) -> None:
         """The optimizer step is done: close its timing window and count it."""
         self.steps += 1
+        _synchronize(self.device)  # count the optimizer step's GPU work in this step
         if self._window is not None and self.steps > self.warmup_steps and not self._fresh:
             start, blocked = self._window
             idle = self.stats.blocked_s - blocked
@@ -394,6 +395,11 @@ class DynamicBatchSize:
         self.meter.load_state_dict(state["meter"])
         if self.allocation is not None and self._restored_sizes is not None:
             self.allocation.update(self._restored_sizes, self.allocation.drawn)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _gather_rows(
