@@ -18,6 +18,10 @@ How it plugs into Lightning:
   epoch and, since the number of steps per epoch never changes, needs no dataloader reloading),
   triggered by :class:`~lightning_hier.callbacks.DBSCallback`, which the strategy adds when the
   Trainer has none.
+
+Limits: one training DataLoader (a torch ``DataLoader`` over a map-style dataset); a
+``training_step`` that takes ``dataloader_iter`` is not supported; BatchNorm statistics are computed
+per local batch, as with DDP (then averaged with the batch weights, ``sync_buffers``).
 """
 
 from __future__ import annotations
@@ -156,8 +160,13 @@ class DBSStrategy(HierStrategy):
         """Training loader: batches from the strategy's allocation; other stages: unchanged."""
         module = self.lightning_module
         stage = module.trainer.state.stage if module is not None and module._trainer is not None else None
-        if stage != RunningStage.TRAINING or not isinstance(dataloader, DataLoader) or self.algorithm is None:
+        if stage != RunningStage.TRAINING or self.algorithm is None:
             return dataloader
+        if not isinstance(dataloader, DataLoader):
+            raise TypeError(
+                f"{type(self).__name__}: the training data must be a torch DataLoader over a map-style dataset, "
+                f"got {type(dataloader).__name__}."
+            )
         global_batch, source = self.global_batch_size, ""
         if global_batch is None:
             if dataloader.batch_size is None:

@@ -244,3 +244,13 @@ def test_global_batch_from_the_loader_is_checked_against_the_bounds():
 
     with pytest.raises(WorkerFailed, match=r"batch_size 8 x 2 ranks = 16: .* must lie in \[2, 12\]"):
         run_workers(fit, devices=2)
+
+
+def test_training_data_that_is_not_a_dataloader_is_rejected():
+    def fit() -> None:
+        x, y = _data()
+        batches = [(x[i : i + 8], y[i : i + 8]) for i in range(0, 64, 8)]
+        trainer(strategy=DBSStrategy(timeout=30)).fit(_model(), batches)
+
+    with pytest.raises(WorkerFailed, match="training data must be a torch DataLoader over a map-style dataset, got Tensor"):
+        run_workers(fit, devices=2)
