@@ -252,5 +252,5 @@ def test_training_data_that_is_not_a_dataloader_is_rejected():
         batches = [(x[i : i + 8], y[i : i + 8]) for i in range(0, 64, 8)]
         trainer(strategy=DBSStrategy(timeout=30)).fit(_model(), batches)
 
-    with pytest.raises(WorkerFailed, match="training data must be a torch DataLoader over a map-style dataset, got Tensor"):
+    with pytest.raises(WorkerFailed, match="must be a torch DataLoader over a map-style dataset, got Tensor"):
         run_workers(fit, devices=2)
