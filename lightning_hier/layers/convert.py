@@ -1,0 +1,225 @@
+"""Turn an ordinary network into its grid-parallel form, and back.
+
+:func:`to_grid` walks the leaf modules in the order they are registered (the execution order of
+``nn.Sequential`` networks and of blocks written like :class:`~lightning_hier.models.BasicBlock`)
+and replaces, in place:
+
+==========================  ================================================================
+ordinary module             grid form
+==========================  ================================================================
+``nn.Linear``               :class:`GridLinear` (rows sharded over MODEL); kept replicated when
+                            ``out_features < Pr``
+first ``nn.Conv2d``         :class:`DomainConv2d` that first takes this rank's slab of the
+                            whole images (every rank of a MODEL group sees the same batch)
+later ``nn.Conv2d``         :class:`DomainConv2d`
+``nn.BatchNorm2d``          :class:`GridBatchNorm2d` (inside the convolutional part)
+``nn.MaxPool2d/AvgPool2d``  :class:`SlabPool2d` (windows checked to stay inside a slab)
+``nn.Flatten``, adaptive    :class:`GatherSlabs` around it: the conv -> FC transition
+pooling after a conv
+activations, dropout        unchanged (element-wise: correct on slabs)
+==========================  ================================================================
+
+Anything else inside the convolutional part is rejected with the list of what is supported.
+Custom blocks are converted through their children; their own ``forward`` code must be
+element-wise or slab-safe along H (e.g. ResNet's ``x[:, :, ::2, ::2]`` shortcut is, because slabs
+start at even rows whenever the stride-2 convolution's checks pass).
+
+:func:`full_state_dict` gathers the ordinary ``state_dict`` (same keys and shapes as the original
+network), :func:`load_full_state_dict` shards one back in, :func:`to_ordinary` builds the ordinary
+network for export. All three are collectives: call them on every rank.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_hier.layers.context import GridContext
+from lightning_hier.layers.linear import GridLinear
+from lightning_hier.layers.spatial import DomainConv2d, GatherSlabs, GridBatchNorm2d, SlabPool2d
+
+SLAB_SAFE: tuple[type[nn.Module], ...] = (
+    nn.ReLU,
+    nn.ReLU6,
+    nn.LeakyReLU,
+    nn.PReLU,
+    nn.ELU,
+    nn.GELU,
+    nn.SiLU,
+    nn.Mish,
+    nn.Sigmoid,
+    nn.Tanh,
+    nn.Hardtanh,
+    nn.Hardswish,
+    nn.Identity,
+    nn.Dropout,
+    nn.Dropout2d,
+)
+TRANSITIONS: tuple[type[nn.Module], ...] = (nn.Flatten, nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d)
+GRID_MODULES: tuple[type[nn.Module], ...] = (GridLinear, DomainConv2d, GridBatchNorm2d, SlabPool2d, GatherSlabs)
+
+
+def is_grid_model(module: nn.Module) -> bool:
+    """Whether ``module`` already contains grid layers."""
+    return any(isinstance(m, GRID_MODULES) for m in module.modules())
+
+
+def trace_shapes(module: nn.Module, example: Tensor) -> dict[str, tuple[torch.Size, torch.Size]]:
+    """Input and output shapes of every leaf module called by ``module(example)`` (eval mode, no grad)."""
+    shapes: dict[str, tuple[torch.Size, torch.Size]] = {}
+    names = {id(m): n for n, m in module.named_modules()}
+
+    def hook(m: nn.Module, args: tuple[Any, ...], out: Any) -> None:
+        if args and isinstance(args[0], Tensor) and isinstance(out, Tensor):
+            shapes.setdefault(names[id(m)], (args[0].shape, out.shape))
+
+    leaves = [m for m in module.modules() if not list(m.children())]
+    handles = [m.register_forward_hook(hook) for m in leaves]
+    was_training = module.training
+    try:
+        module.eval()
+        with torch.no_grad():
+            module(example)
+    finally:
+        module.train(was_training)
+        for h in handles:
+            h.remove()
+    return shapes
+
+
+class _Converter:
+    def __init__(self, grid: GridContext, shapes: dict[str, tuple[torch.Size, torch.Size]]) -> None:
+        self.grid, self.shapes = grid, shapes
+        self.region = "input"  # -> "spatial" after the first conv -> "fc" after the transition
+
+    def convert(self, parent: nn.Module, prefix: str) -> None:
+        for name, child in list(parent.named_children()):
+            path = f"{prefix}{name}"
+            if list(child.children()):
+                self.convert(child, path + ".")
+                continue
+            new = self.leaf(child, path)
+            if new is not child:
+                setattr(parent, name, new)
+
+    def leaf(self, m: nn.Module, path: str) -> nn.Module:
+        g = self.grid
+        if isinstance(m, nn.Linear):
+            if self.region == "spatial" and g.pr > 1:
+                raise ValueError(self._unsupported(m, path, "a Linear on image activations"))
+            return GridLinear.from_linear(m, g) if m.out_features >= g.pr else m
+        if isinstance(m, nn.Conv2d):
+            if self.region == "fc":
+                raise ValueError(
+                    f"to_grid: {path} ({type(m).__name__}) follows the conv -> FC transition; "
+                    "only one convolutional part (before the fully connected layers) is supported."
+                )
+            conv = DomainConv2d.from_conv(m, g, split_input=self.region == "input")
+            self._check_height(conv, path)
+            self.region = "spatial"
+            return conv
+        if self.region != "spatial":
+            return m
+        if isinstance(m, nn.BatchNorm2d) and type(m) is nn.BatchNorm2d:
+            return GridBatchNorm2d.from_batchnorm(m, g)
+        if isinstance(m, nn.MaxPool2d | nn.AvgPool2d):
+            pool = SlabPool2d(m, g)
+            self._check_height(pool, path)
+            return pool
+        if isinstance(m, TRANSITIONS):
+            self.region = "fc"
+            return GatherSlabs(m, g)
+        if isinstance(m, SLAB_SAFE) or g.pr == 1:
+            return m
+        raise ValueError(self._unsupported(m, path, type(m).__name__))
+
+    def _check_height(self, layer: DomainConv2d | SlabPool2d, path: str) -> None:
+        if path in self.shapes:
+            try:
+                layer.check_height(self.shapes[path][0][2])
+            except ValueError as err:
+                raise ValueError(f"to_grid: layer {path}: {err}") from None
+
+    def _unsupported(self, m: nn.Module, path: str, what: str) -> str:
+        allowed = ", ".join(t.__name__ for t in (nn.Conv2d, nn.BatchNorm2d, nn.MaxPool2d, nn.AvgPool2d, *SLAB_SAFE))
+        return (
+            f"to_grid: layer {path} ({what}) cannot run on slabs of image rows (Pr={self.grid.pr}). Inside the "
+            f"convolutional part use {allowed}; end it with {', '.join(t.__name__ for t in TRANSITIONS)}."
+        )
+
+
+def to_grid(module: nn.Module, grid: GridContext, example: Tensor | None = None) -> nn.Module:
+    """Convert ``module`` in place into its grid-parallel form (see the module docstring).
+
+    Args:
+        module: An ordinary network, identical on every rank (broadcast it first).
+        grid: This rank's grid context.
+        example: An example input batch: its shapes let every spatial layer be checked now, with
+            the layer's name in the message, rather than at the first forward.
+
+    Returns:
+        ``module``, converted. Converting a converted model is a no-op.
+
+    Raises:
+        ValueError: A layer cannot be split on this grid (the message names it and says why).
+    """
+    if is_grid_model(module):
+        return module
+    shapes = trace_shapes(module, example) if example is not None else {}
+    converter = _Converter(grid, shapes)
+    converter.convert(module, "")
+    if converter.region == "spatial" and grid.pr > 1:
+        raise ValueError(
+            "to_grid: the convolutional part never ends: add an nn.Flatten or adaptive pooling module before the "
+            "fully connected layers (the conv -> FC transition gathers the slabs there)."
+        )
+    return module
+
+
+# ---------------------------------------------------------------------------- back to ordinary
+def full_state_dict(module: nn.Module) -> dict[str, Tensor]:
+    """The ``state_dict`` of the ordinary network: sharded weights gathered over MODEL (a collective)."""
+    state = {k: v.detach() for k, v in module.state_dict().items()}
+    for prefix, m in module.named_modules():
+        if isinstance(m, GridLinear):
+            state.update({_key(prefix, name): value for name, value in m.full_parameters().items()})
+    return state
+
+
+def load_full_state_dict(module: nn.Module, state: dict[str, Tensor], strict: bool = True) -> None:
+    """Load an ordinary ``state_dict`` into the grid model (each rank keeps its own shards)."""
+    local = dict(state)
+    for prefix, m in module.named_modules():
+        if isinstance(m, GridLinear):
+            for name in ("weight", "bias"):
+                if _key(prefix, name) in local:
+                    local[_key(prefix, name)] = m.shard(local[_key(prefix, name)])
+    module.load_state_dict(local, strict=strict)
+
+
+def to_ordinary(module: nn.Module, inplace: bool = False) -> nn.Module:
+    """The ordinary network with the gathered weights (a collective; a copy unless ``inplace``)."""
+    target = module if inplace else copy.deepcopy(module)
+    _unconvert(target)
+    return target
+
+
+def _unconvert(parent: nn.Module) -> None:
+    for name, child in list(parent.named_children()):
+        if isinstance(child, GridLinear):
+            setattr(parent, name, child.to_linear())
+        elif isinstance(child, DomainConv2d):
+            setattr(parent, name, child.to_conv())
+        elif isinstance(child, GridBatchNorm2d):
+            setattr(parent, name, child.to_batchnorm())
+        elif isinstance(child, SlabPool2d | GatherSlabs):
+            setattr(parent, name, child.inner)
+        else:
+            _unconvert(child)
+
+
+def _key(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
