@@ -25,6 +25,8 @@ from lightning_hier.layers.collectives import (
 )
 from lightning_hier.layers.context import GridCommStats, GridContext, ParamKind
 from lightning_hier.layers.convert import (
+    Role,
+    classify,
     full_state_dict,
     is_grid_model,
     load_full_state_dict,
@@ -45,8 +47,10 @@ __all__ = [
     "GridContext",
     "GridLinear",
     "ParamKind",
+    "Role",
     "SlabPool2d",
     "all_reduce_sum",
+    "classify",
     "copy_to_model",
     "full_state_dict",
     "gather_along",

@@ -32,6 +32,7 @@ network for export. All three are collectives: call them on every rank.
 from __future__ import annotations
 
 import copy
+from enum import Enum
 from typing import Any
 
 import torch
@@ -45,7 +46,6 @@ SLAB_SAFE: tuple[type[nn.Module], ...] = (
     nn.ReLU,
     nn.ReLU6,
     nn.LeakyReLU,
-    nn.PReLU,
     nn.ELU,
     nn.GELU,
     nn.SiLU,
@@ -90,65 +90,76 @@ def trace_shapes(module: nn.Module, example: Tensor) -> dict[str, tuple[torch.Si
     return shapes
 
 
-class _Converter:
-    def __init__(self, grid: GridContext, shapes: dict[str, tuple[torch.Size, torch.Size]]) -> None:
-        self.grid, self.shapes = grid, shapes
-        self.region = "input"  # -> "spatial" after the first conv -> "fc" after the transition
+class Role(str, Enum):
+    """What a leaf module is in the grid: decided by :func:`classify`, acted on by :func:`to_grid`."""
 
-    def convert(self, parent: nn.Module, prefix: str) -> None:
-        for name, child in list(parent.named_children()):
-            path = f"{prefix}{name}"
-            if list(child.children()):
-                self.convert(child, path + ".")
-                continue
-            new = self.leaf(child, path)
-            if new is not child:
-                setattr(parent, name, new)
+    LINEAR = "linear"  # fully connected on activations replicated over MODEL: sharded by rows
+    FIRST_CONV = "first_conv"  # the first convolution: takes its slab of the replicated input
+    CONV = "conv"
+    BATCHNORM = "batchnorm"  # BatchNorm2d on slabs
+    POOL = "pool"
+    TRANSITION = "transition"  # the conv -> FC transition: gather the slabs
+    SLAB_SAFE = "slab_safe"  # element-wise on slabs: unchanged
+    REPLICATED = "replicated"  # any other module on activations replicated over MODEL: unchanged
+    UNSUPPORTED = "unsupported"  # cannot run on slabs (fine with Pr = 1)
 
-    def leaf(self, m: nn.Module, path: str) -> nn.Module:
-        g = self.grid
-        if isinstance(m, nn.Linear):
-            if self.region == "spatial" and g.pr > 1:
-                raise ValueError(self._unsupported(m, path, "a Linear on image activations"))
-            return GridLinear.from_linear(m, g) if m.out_features >= g.pr else m
-        if isinstance(m, nn.Conv2d):
-            if self.region == "fc":
-                raise ValueError(
-                    f"to_grid: {path} ({type(m).__name__}) follows the conv -> FC transition; "
-                    "only one convolutional part (before the fully connected layers) is supported."
-                )
-            conv = DomainConv2d.from_conv(m, g, split_input=self.region == "input")
-            self._check_height(conv, path)
-            self.region = "spatial"
-            return conv
-        if self.region != "spatial":
-            return m
-        if isinstance(m, nn.BatchNorm2d) and type(m) is nn.BatchNorm2d:
-            return GridBatchNorm2d.from_batchnorm(m, g)
-        if isinstance(m, nn.MaxPool2d | nn.AvgPool2d):
-            pool = SlabPool2d(m, g)
-            self._check_height(pool, path)
-            return pool
-        if isinstance(m, TRANSITIONS):
-            self.region = "fc"
-            return GatherSlabs(m, g)
-        if isinstance(m, SLAB_SAFE) or g.pr == 1:
-            return m
-        raise ValueError(self._unsupported(m, path, type(m).__name__))
 
-    def _check_height(self, layer: DomainConv2d | SlabPool2d, path: str) -> None:
-        if path in self.shapes:
-            try:
-                layer.check_height(self.shapes[path][0][2])
-            except ValueError as err:
-                raise ValueError(f"to_grid: layer {path}: {err}") from None
+def classify(module: nn.Module) -> list[tuple[str, nn.Module, Role, str]]:
+    """``(path, leaf module, role, reason)`` for every leaf, in registration order.
 
-    def _unsupported(self, m: nn.Module, path: str, what: str) -> str:
-        allowed = ", ".join(t.__name__ for t in (nn.Conv2d, nn.BatchNorm2d, nn.MaxPool2d, nn.AvgPool2d, *SLAB_SAFE))
-        return (
-            f"to_grid: layer {path} ({what}) cannot run on slabs of image rows (Pr={self.grid.pr}). Inside the "
-            f"convolutional part use {allowed}; end it with {', '.join(t.__name__ for t in TRANSITIONS)}."
-        )
+    Before the first ``Conv2d`` activations are whole inputs replicated over MODEL; from it to the
+    first ``Flatten`` / adaptive pooling they are slabs of rows; after that, replicated again.
+    ``reason`` says why a leaf is ``UNSUPPORTED`` (empty otherwise).
+    """
+    out: list[tuple[str, nn.Module, Role, str]] = []
+    region = "input"  # -> "spatial" after the first conv -> "fc" after the transition
+    for path, m in module.named_modules():
+        if list(m.children()):
+            continue
+        role, reason = _role(m, region)
+        if role in (Role.FIRST_CONV, Role.CONV):
+            region = "spatial"
+        elif role is Role.TRANSITION:
+            region = "fc"
+        out.append((path, m, role, reason))
+    return out
+
+
+def _role(m: nn.Module, region: str) -> tuple[Role, str]:
+    if isinstance(m, nn.Conv2d):
+        if region == "fc":
+            return Role.UNSUPPORTED, "a convolution after the conv -> FC transition (only one convolutional part)"
+        return (Role.FIRST_CONV if region == "input" else Role.CONV), ""
+    if region != "spatial":
+        return (Role.LINEAR if isinstance(m, nn.Linear) else Role.REPLICATED), ""
+    if type(m) is nn.BatchNorm2d:
+        return Role.BATCHNORM, ""
+    if isinstance(m, nn.MaxPool2d | nn.AvgPool2d):
+        return Role.POOL, ""
+    if isinstance(m, TRANSITIONS):
+        return Role.TRANSITION, ""
+    if isinstance(m, SLAB_SAFE):
+        return Role.SLAB_SAFE, ""
+    allowed = ", ".join(t.__name__ for t in (nn.Conv2d, nn.BatchNorm2d, nn.MaxPool2d, nn.AvgPool2d, *SLAB_SAFE))
+    ends = ", ".join(t.__name__ for t in TRANSITIONS)
+    what = "a Linear on image activations" if isinstance(m, nn.Linear) else type(m).__name__
+    return Role.UNSUPPORTED, (
+        f"{what} cannot run on slabs of image rows; inside the convolutional part use {allowed}, and end it with {ends}"
+    )
+
+
+def _grid_form(m: nn.Module, role: Role, grid: GridContext) -> nn.Module:
+    if role is Role.LINEAR and isinstance(m, nn.Linear) and m.out_features >= grid.pr:
+        return GridLinear.from_linear(m, grid)
+    if role in (Role.FIRST_CONV, Role.CONV) and isinstance(m, nn.Conv2d):
+        return DomainConv2d.from_conv(m, grid, split_input=role is Role.FIRST_CONV)
+    if role is Role.BATCHNORM and isinstance(m, nn.BatchNorm2d):
+        return GridBatchNorm2d.from_batchnorm(m, grid)
+    if role is Role.POOL and isinstance(m, nn.MaxPool2d | nn.AvgPool2d):
+        return SlabPool2d(m, grid)
+    if role is Role.TRANSITION:
+        return GatherSlabs(m, grid)
+    return m
 
 
 def to_grid(module: nn.Module, grid: GridContext, example: Tensor | None = None) -> nn.Module:
@@ -169,13 +180,26 @@ def to_grid(module: nn.Module, grid: GridContext, example: Tensor | None = None)
     if is_grid_model(module):
         return module
     shapes = trace_shapes(module, example) if example is not None else {}
-    converter = _Converter(grid, shapes)
-    converter.convert(module, "")
-    if converter.region == "spatial" and grid.pr > 1:
+    leaves = classify(module)
+    for path, m, role, reason in leaves:
+        if role is Role.UNSUPPORTED and grid.pr > 1:
+            raise ValueError(f"to_grid: layer {path} ({type(m).__name__}): {reason} (Pr={grid.pr}).")
+    roles = {r for _, _, r, _ in leaves}
+    if grid.pr > 1 and Role.FIRST_CONV in roles and Role.TRANSITION not in roles:
         raise ValueError(
-            "to_grid: the convolutional part never ends: add an nn.Flatten or adaptive pooling module before the "
-            "fully connected layers (the conv -> FC transition gathers the slabs there)."
+            "to_grid: the convolutional part never ends: add an nn.Flatten or adaptive pooling module before "
+            "the fully connected layers (the conv -> FC transition gathers the slabs there)."
         )
+    for path, m, role, _ in leaves:
+        new = _grid_form(m, role, grid)
+        if isinstance(new, DomainConv2d | SlabPool2d) and path in shapes:
+            try:
+                new.check_height(shapes[path][0][2])
+            except ValueError as err:
+                raise ValueError(f"to_grid: layer {path}: {err}") from None
+        if new is not m:
+            parent, _, name = path.rpartition(".")
+            setattr(module.get_submodule(parent), name, new)
     return module
 
 

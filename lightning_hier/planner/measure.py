@@ -1,0 +1,50 @@
+"""Measure alpha (latency per message) and beta (seconds per word) on a live process group."""
+
+from __future__ import annotations
+
+import time
+from math import ceil, log2
+from statistics import median
+
+import torch
+import torch.distributed as dist
+
+from lightning_hier.planner.cost import Link
+
+
+def measure_link(
+    group: dist.ProcessGroup | None = None,
+    large_words: int = 1 << 18,
+    repeats: int = 5,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> Link:
+    """Fit the cost model's all-reduce ``2 alpha ceil(lg p) + 2 beta (p - 1) / p n`` on ``group``.
+
+    A collective: every rank of ``group`` must call it. Times a one-word and a ``large_words``
+    all-reduce (median of ``repeats`` after one warm-up each); every rank returns the same
+    :class:`~lightning_hier.planner.Link` (the largest measured on any rank).
+
+    Raises:
+        ValueError: The group has one rank (nothing to measure).
+    """
+    p = dist.get_world_size(group)
+    if p < 2:
+        raise ValueError("measure_link: the group has a single rank; give alpha and beta instead.")
+    small = _median_all_reduce(torch.zeros(1, dtype=dtype, device=device), group, repeats)
+    large = _median_all_reduce(torch.zeros(large_words, dtype=dtype, device=device), group, repeats)
+    lg = ceil(log2(p))
+    fit = torch.tensor([small / (2 * lg), max(large - small, 1e-9) / (2 * (p - 1) / p * large_words)])
+    dist.all_reduce(fit, op=dist.ReduceOp.MAX, group=group)  # every rank must choose the same grid
+    return Link(alpha=float(fit[0]), beta=float(fit[1]))
+
+
+def _median_all_reduce(t: torch.Tensor, group: dist.ProcessGroup | None, repeats: int) -> float:
+    times = []
+    for i in range(repeats + 1):
+        dist.barrier(group=group)
+        start = time.perf_counter()
+        dist.all_reduce(t, group=group)
+        if i:  # the first call sets up buffers and connections
+            times.append(time.perf_counter() - start)
+    return median(times)
