@@ -34,7 +34,7 @@ from lightning_hier.planner.cost import (
     layer_cost,
     network_cost,
 )
-from lightning_hier.planner.measure import measure_link
+from lightning_hier.planner.measure import measure_link, measure_links
 from lightning_hier.planner.networks import alexnet_layers, model_layers, vgg16_layers
 from lightning_hier.planner.plan import GridPlan, bandwidth_optimal_pr, best_grid, format_table, plan_grids
 
@@ -58,6 +58,7 @@ __all__ = [
     "format_table",
     "layer_cost",
     "measure_link",
+    "measure_links",
     "model_layers",
     "network_cost",
     "plan_grids",

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from math import ceil, log2
 from statistics import median
 
 import torch
 import torch.distributed as dist
 
-from lightning_hier.planner.cost import Link
+from lightning_hier.planner.cost import Link, Links
 
 
 def measure_link(
@@ -37,6 +38,28 @@ def measure_link(
     fit = torch.tensor([small / (2 * lg), max(large - small, 1e-9) / (2 * (p - 1) / p * large_words)])
     dist.all_reduce(fit, op=dist.ReduceOp.MAX, group=group)  # every rank must choose the same grid
     return Link(alpha=float(fit[0]), beta=float(fit[1]))
+
+
+def measure_links(num_nodes: int = 1) -> Callable[[int, int], Links]:
+    """Measure intra-node and inter-node links of the default group; returns ``(pr, pc) -> Links``.
+
+    A collective on the default group (every rank calls it; all get the same numbers). Ranks are
+    laid out node by node, so a MODEL group (consecutive ranks) stays inside a node when
+    ``pr <= ranks per node``; BATCH and whole-grid groups cross nodes when there are several.
+    """
+    world = dist.get_world_size()
+    per_node = world // num_nodes
+    inter = measure_link(None)
+    intra = inter
+    if num_nodes > 1 and per_node > 1:
+        mine, _ = dist.new_subgroups(group_size=per_node)
+        intra = measure_link(mine)
+
+    def links(pr: int, pc: int) -> Links:
+        model = intra if pr <= per_node else inter
+        return Links(model=model, batch=inter if num_nodes > 1 else intra, grid=inter if num_nodes > 1 else intra)
+
+    return links
 
 
 def _median_all_reduce(t: torch.Tensor, group: dist.ProcessGroup | None, repeats: int) -> float:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from math import sqrt
 from typing import Literal
@@ -77,7 +77,7 @@ def plan_grids(
     world_size: int,
     *,
     input_shape: Sequence[int] | None = None,
-    links: Link | Links = REFERENCE_LINK,
+    links: Link | Links | Callable[[int, int], Links] = REFERENCE_LINK,
     batch_scope: BatchScope = "global",
     max_model: int | None = None,
     memory_limit_bytes: float | None = None,
@@ -92,7 +92,8 @@ def plan_grids(
             of one MODEL group, i.e. the DataLoader's batch size (``'replica'``: B = batch_size * Pc).
         world_size: P.
         input_shape: Input shape without the batch dimension (for modules).
-        links: Alpha and beta, one for all groups or one per group.
+        links: Alpha and beta: one for all groups, one per group, or a function of ``(pr, pc)``
+            giving one per group (e.g. :func:`~lightning_hier.planner.measure_links`).
         batch_scope: See ``batch_size``.
         max_model: Largest Pr to allow (ALGORITHMS.md restricts whole networks to Pr <= 8).
         memory_limit_bytes: Reject grids whose :func:`memory_bytes` estimate exceeds this.
@@ -117,7 +118,8 @@ def plan_grids(
         memory = memory_bytes(layers, pr, pc, batch)
         if memory_limit_bytes is not None and memory > memory_limit_bytes:
             problems.append(f"needs ~{memory / 2**20:.0f} MiB > limit {memory_limit_bytes / 2**20:.0f} MiB")
-        plans.append(GridPlan(pr, pc, batch, cost, cost.time(links), memory, tuple(problems)))
+        link = links(pr, pc) if callable(links) else links
+        plans.append(GridPlan(pr, pc, batch, cost, cost.time(link), memory, tuple(problems)))
     return plans
 
 
