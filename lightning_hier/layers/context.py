@@ -95,7 +95,7 @@ class GridContext:
     def __post_init__(self) -> None:
         if self.pr < 1 or self.pc < 1 or not 0 <= self.r < self.pr or not 0 <= self.c < self.pc:
             raise ValueError(
-                f"GridContext: invalid coordinates r={self.r}, c={self.c} in a {self.pr} x {self.pc} grid."
+                f"GridContext: invalid coordinates (r={self.r}, c={self.c}) in a {self.pr} x {self.pc} grid."
             )
         if len(self.model_ranks) != self.pr:
             raise ValueError(f"GridContext: `model_ranks` must list {self.pr} ranks, got {self.model_ranks}.")

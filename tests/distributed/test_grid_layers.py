@@ -203,3 +203,51 @@ def test_grid_layers_equal_the_unsharded_network(pr, pc):
         bad = {k: v for k, v in errs.items() if not v <= TOL}
         assert not bad, f"rank {rank} on grid {pr}x{pc}: {bad}"
         assert len(errs) > 30  # every check ran
+
+
+def _rejections() -> list[str]:
+    g = _grid(2)
+    conv = lambda k=3, **kw: nn.Conv2d(2, 2, k, padding=kw.pop("padding", k // 2), **kw)  # noqa: E731
+    cases = [
+        (nn.Sequential(conv(), nn.Upsample(scale_factor=2), nn.Flatten()), 8),
+        (nn.Sequential(conv(), nn.Linear(8, 4), nn.Flatten()), 8),
+        (nn.Sequential(conv(), nn.Flatten(), nn.Linear(128, 128), nn.Unflatten(1, (2, 8, 8)), conv()), 8),
+        (nn.Sequential(conv()), 8),
+        (nn.Sequential(conv(padding_mode="reflect"), nn.Flatten()), 8),
+        (nn.Sequential(conv(2, padding=0), nn.Flatten()), 8),
+        (nn.Sequential(conv(7), nn.Flatten()), 4),
+        (nn.Sequential(conv(), nn.Flatten()), 9),
+        (nn.Sequential(conv(), nn.MaxPool2d(3, stride=2, padding=1), nn.Flatten()), 8),
+    ]
+    messages = []
+    for net, h in cases:
+        try:
+            to_grid(net, g, torch.zeros(1, 2, h, h))
+            messages.append("accepted")
+        except ValueError as err:
+            messages.append(str(err))
+    net = to_grid(nn.Sequential(conv(), nn.Flatten()), g)  # no example: checked at the first forward
+    try:
+        net(torch.zeros(1, 2, 9, 9))
+    except ValueError as err:
+        messages.append(str(err))
+    return messages
+
+
+def test_layers_that_cannot_be_split_are_rejected_with_the_reason():
+    expected = [
+        "layer 1 (Upsample): Upsample cannot run on slabs of image rows",
+        "layer 1 (Linear): a Linear on image activations cannot run on slabs",
+        "layer 4 (Conv2d): a convolution after the conv -> FC transition",
+        "the convolutional part never ends",
+        "padding_mode='reflect' is not supported under a spatial split",
+        "layer 0: DomainConv2d(k=(2, 2)",
+        "the halo (3 rows above, 3 below) is larger than a slab of 2 rows",
+        "the height 9 is not divisible by Pr=2",
+        "pooling windows overlap or are padded along H",
+        "the height 9 is not divisible by Pr=2",
+    ]
+    messages = run_workers(_rejections, devices=2)[0]
+    assert len(messages) == len(expected)
+    for message, want in zip(messages, expected, strict=True):
+        assert want in message, message
