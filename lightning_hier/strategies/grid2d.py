@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 
 from lightning_hier import _validate as v
@@ -148,7 +149,7 @@ class Grid2DStrategy(HierStrategy):
         self._grid = (pr, self.world_size // pr)
         if self.global_rank == 0:
             table = format_table(plan_grids(layers, int(batch), self.world_size, **kwargs))
-            log.info("grid2d: chose grid %s x %s\n%s", *self._grid, table)
+            rank_zero_info(f"grid2d: grid='auto' chose Pr x Pc = {pr} x {self.world_size // pr}\n{table}")
 
     def setup_environment(self) -> None:
         super().setup_environment()
