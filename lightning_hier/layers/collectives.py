@@ -115,6 +115,12 @@ class _GatherAlong(Function):
         return grad.narrow(ctx.dim, start, ctx.sizes[ctx.r]), None, None, None, None
 
 
+def _model_sum(t: Tensor, g: GridContext, kind: str) -> Tensor:
+    out = t.contiguous().clone()
+    all_reduce_sum_raw_(out, g.model_group, g.pr, g, kind)
+    return out
+
+
 class _CopyToModel(Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, g: GridContext, kind: str) -> Tensor:
@@ -123,24 +129,15 @@ class _CopyToModel(Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        grad = grad.contiguous().clone()
-        all_reduce_sum_raw_(grad, ctx.g.model_group, ctx.g.pr, ctx.g, ctx.kind)
-        return grad, None, None
+        return _model_sum(grad, ctx.g, ctx.kind), None, None
 
 
-class _AllReduceSum(Function):
+class _AllReduceSum(_CopyToModel):
+    # y = sum_r x_r on every rank, so dL/dx_r = sum_r' dL/dy_r': the same sum in the backward
     @staticmethod
     def forward(ctx: Any, x: Tensor, g: GridContext, kind: str) -> Tensor:
         ctx.g, ctx.kind = g, kind
-        out = x.contiguous().clone()
-        all_reduce_sum_raw_(out, g.model_group, g.pr, g, kind)
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        grad = grad.contiguous().clone()
-        all_reduce_sum_raw_(grad, ctx.g.model_group, ctx.g.pr, ctx.g, ctx.kind)
-        return grad, None, None
+        return _model_sum(x, g, kind)
 
 
 class _SplitAlong(Function):
