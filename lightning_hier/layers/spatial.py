@@ -191,7 +191,10 @@ class GridBatchNorm2d(nn.BatchNorm2d):
         use_batch_stats = self.training or self.running_mean is None
         if self.grid.pr == 1 or not use_batch_stats:
             return super().forward(x)
-        shift = self.running_mean.detach() if self.running_mean is not None else x.new_zeros(self.num_features)
+        dtype = x.dtype
+        if dtype in (torch.float16, torch.bfloat16):  # statistics in fp32, as torch's batch norm under autocast
+            x = x.float()
+        shift = self.running_mean.detach().to(x.dtype) if self.running_mean is not None else x.new_zeros(x.shape[1])
         xs = x - shift[None, :, None, None]
         local = torch.stack([xs.sum((0, 2, 3)), (xs * xs).sum((0, 2, 3))])
         total = all_reduce_sum(local, self.grid, "bn_stats")
@@ -204,7 +207,7 @@ class GridBatchNorm2d(nn.BatchNorm2d):
         y = (x - mean[None, :, None, None]) * torch.rsqrt(var + self.eps)[None, :, None, None]
         if self.affine:
             y = y * self.weight[None, :, None, None] + self.bias[None, :, None, None]
-        return y
+        return y.to(dtype)
 
     @torch.no_grad()
     def _update_running_stats(self, mean: Tensor, var: Tensor, n: int) -> None:
@@ -212,8 +215,8 @@ class GridBatchNorm2d(nn.BatchNorm2d):
         assert self.running_var is not None
         self.num_batches_tracked.add_(1)
         factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
-        self.running_mean.lerp_(mean, factor)
-        self.running_var.lerp_(var * n / max(n - 1, 1), factor)
+        self.running_mean.lerp_(mean.to(self.running_mean.dtype), factor)
+        self.running_var.lerp_((var * n / max(n - 1, 1)).to(self.running_var.dtype), factor)
 
 
 class SlabPool2d(nn.Module):
