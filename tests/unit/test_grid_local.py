@@ -32,7 +32,7 @@ from tests.helpers import trainer
 NETS = {
     "mlp": (lambda: mlp((1, 8, 8), 10), (1, 8, 8)),
     "small_cnn": (lambda: small_cnn((1, 8, 8), 10), (1, 8, 8)),
-    "resnet20": (lambda: resnet20((3, 16, 16), 10), (3, 16, 16)),
+    "resnet20": (lambda: resnet20((3, 8, 8), 10), (3, 8, 8)),
 }
 
 
