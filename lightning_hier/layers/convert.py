@@ -172,12 +172,15 @@ def to_grid(module: nn.Module, grid: GridContext, example: Tensor | None = None)
             the layer's name in the message, rather than at the first forward.
 
     Returns:
-        ``module``, converted. Converting a converted model is a no-op.
+        ``module``, converted. A model converted before (e.g. fitted by an earlier Trainer) is only
+        re-attached to ``grid`` (its process groups and accounting), which must have the same shape
+        and coordinates.
 
     Raises:
         ValueError: A layer cannot be split on this grid (the message names it and says why).
     """
     if is_grid_model(module):
+        _rebind(module, grid)
         return module
     shapes = trace_shapes(module, example) if example is not None else {}
     leaves = classify(module)
@@ -201,6 +204,19 @@ def to_grid(module: nn.Module, grid: GridContext, example: Tensor | None = None)
             parent, _, name = path.rpartition(".")
             setattr(module.get_submodule(parent), name, new)
     return module
+
+
+def _rebind(module: nn.Module, grid: GridContext) -> None:
+    for m in module.modules():
+        if isinstance(m, GRID_MODULES):
+            old: GridContext = vars(m)["grid"]  # a plain attribute: neither a module nor a tensor
+            if (old.pr, old.pc, old.r, old.c) != (grid.pr, grid.pc, grid.r, grid.c):
+                raise ValueError(
+                    f"to_grid: the model was converted for rank (r={old.r}, c={old.c}) of a {old.pr} x {old.pc} grid, "
+                    f"not (r={grid.r}, c={grid.c}) of {grid.pr} x {grid.pc}; convert a fresh model, or load its "
+                    "ordinary state_dict (full_state_dict) into one."
+                )
+            vars(m)["grid"] = grid
 
 
 # ---------------------------------------------------------------------------- back to ordinary

@@ -227,10 +227,11 @@ def _rejections() -> list[str]:
         except ValueError as err:
             messages.append(str(err))
     net = to_grid(nn.Sequential(conv(), nn.Flatten()), g)  # no example: checked at the first forward
-    try:
-        net(torch.zeros(1, 2, 9, 9))
-    except ValueError as err:
-        messages.append(str(err))
+    for attempt in (lambda: net(torch.zeros(1, 2, 9, 9)), lambda: to_grid(net, GridContext())):
+        try:
+            attempt()
+        except ValueError as err:
+            messages.append(str(err))
     return messages
 
 
@@ -246,6 +247,7 @@ def test_layers_that_cannot_be_split_are_rejected_with_the_reason():
         "the height 9 is not divisible by Pr=2",
         "pooling windows overlap or are padded along H",
         "the height 9 is not divisible by Pr=2",
+        "was converted for rank (r=0, c=0) of a 2 x 1 grid, not (r=0, c=0) of 1 x 1",
     ]
     messages = run_workers(_rejections, devices=2)[0]
     assert len(messages) == len(expected)

@@ -124,3 +124,9 @@ def test_grid_that_does_not_match_the_processes_fails_before_launch():
     with pytest.raises(ValueError, match=r"grid=\(2, 2\) has 4 ranks, but the Trainer runs 2 processes"):
         trainer(strategy=Grid2DStrategy(grid=[2, 2], start_method="fork"), devices=2)
     assert Grid2DStrategy(grid=[2, 1]).grid == (2, 1)
+
+
+def test_a_converted_model_is_reattached_to_a_new_context_of_the_same_shape():
+    net = to_grid(small_cnn((1, 8, 8), 10), GridContext())
+    fresh = GridContext(stats=GridCommStats())
+    assert to_grid(net, fresh) is net and net[0][0].grid is fresh and net[3][0].grid is fresh
