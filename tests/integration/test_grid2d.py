@@ -160,3 +160,17 @@ def test_unsupported_settings_fail_with_the_reason():
         run_workers(fit, (4, 1), _cnn, devices=4)
     with pytest.raises(WorkerFailed, match="gradient clipping by norm"):
         run_workers(fit, (2, 2), _mlp, gradient_clip_val=1.0, devices=4)
+
+
+def test_gradient_accumulation_equals_ddp_on_the_larger_batch():
+    # an independent reference (Lightning's DDP); the batch split (Pc = 2) needs the gradient reduction
+    def fit(strategy: object, batch_size: int, accumulate: int) -> torch.Tensor:
+        module = _mlp()
+        t = trainer(strategy=strategy, max_steps=4, accumulate_grad_batches=accumulate)
+        t.fit(module, datamodule=digits(batch_size=batch_size))
+        return flat_params(module)
+
+    ddp = run_workers(fit, "ddp", 64, 1)
+    grid = run_workers(fit, Grid2DStrategy(grid=(1, 2), timeout=30), 32, 2)
+    for a, b in zip(ddp, grid, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
