@@ -129,6 +129,9 @@ class Grid2DStrategy(HierStrategy):
     def _resolve_layout(self) -> None:
         if self._grid is not None:
             return
+        if self.world_size == 1:
+            self._grid = (1, 1)
+            return
         module = self.lightning_module
         batch, shape = _lookup(module, "batch_size"), _input_shape(module)
         if module is None or batch is None or shape is None:  # before any process group work: fail clearly
@@ -142,7 +145,13 @@ class Grid2DStrategy(HierStrategy):
             links = measure_links(self.num_nodes)
         else:
             links = Link(self.alpha, self.beta)
-        layers = model_layers(module, shape)
+        try:
+            layers = model_layers(module, shape)
+        except Exception as err:
+            raise ValueError(
+                f"{type(self).__name__}(grid='auto') traces the model on one zero sample of shape {shape}, and its "
+                f"forward failed ({type(err).__name__}: {err}); give grid=(Pr, Pc)."
+            ) from err
         kwargs: dict[str, Any] = {"links": links, "batch_scope": "replica", "max_model": self.max_model}
         plan = best_grid(layers, int(batch), self.world_size, **kwargs)
         pr = int(broadcast_object(plan.pr, 0, dist.group.WORLD))  # measured links may differ per rank

@@ -6,6 +6,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_hier import Grid2DStrategy
 from lightning_hier.layers import GridLinear, full_state_dict
@@ -160,6 +161,13 @@ def test_unsupported_settings_fail_with_the_reason():
         run_workers(fit, (4, 1), _cnn, devices=4)
     with pytest.raises(WorkerFailed, match="gradient clipping by norm"):
         run_workers(fit, (2, 2), _mlp, gradient_clip_val=1.0, devices=4)
+
+    def fit_auto_on_plain_loader() -> None:
+        data = TensorDataset(torch.randn(64, 1, 8, 8), torch.randint(0, 10, (64,)))
+        trainer(strategy=Grid2DStrategy(timeout=30), max_steps=1).fit(_mlp(), DataLoader(data, batch_size=8))
+
+    with pytest.raises(WorkerFailed, match="grid='auto'\\) needs the DataLoader batch size and the input shape"):
+        run_workers(fit_auto_on_plain_loader)
 
 
 def test_gradient_accumulation_equals_ddp_on_the_larger_batch():
