@@ -35,8 +35,13 @@ def measure_link(
     small = _median_all_reduce(torch.zeros(1, dtype=dtype, device=device), group, repeats)
     large = _median_all_reduce(torch.zeros(large_words, dtype=dtype, device=device), group, repeats)
     lg = ceil(log2(p))
-    fit = torch.tensor([small / (2 * lg), max(large - small, 1e-9) / (2 * (p - 1) / p * large_words)])
-    dist.all_reduce(fit, op=dist.ReduceOp.MAX, group=group)  # every rank must choose the same grid
+    return _agree(Link(small / (2 * lg), max(large - small, 1e-9) / (2 * (p - 1) / p * large_words)), group)
+
+
+def _agree(link: Link, group: dist.ProcessGroup | None) -> Link:
+    """The largest alpha and beta over ``group``: every rank must choose the same grid."""
+    fit = torch.tensor([link.alpha, link.beta], dtype=torch.float64)
+    dist.all_reduce(fit, op=dist.ReduceOp.MAX, group=group)
     return Link(alpha=float(fit[0]), beta=float(fit[1]))
 
 
@@ -53,7 +58,7 @@ def measure_links(num_nodes: int = 1) -> Callable[[int, int], Links]:
     intra = inter
     if num_nodes > 1 and per_node > 1:
         mine, _ = dist.new_subgroups(group_size=per_node)
-        intra = measure_link(mine)
+        intra = _agree(measure_link(mine), None)  # each node measured its own: agree over all
 
     def links(pr: int, pc: int) -> Links:
         model = intra if pr <= per_node else inter
