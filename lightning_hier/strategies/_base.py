@@ -121,6 +121,9 @@ class HierStrategy(ParallelStrategy):
         """Inner grid sizes (``pipe``, ``model``) of this strategy; data parallel by default."""
         return {}
 
+    def _resolve_layout(self) -> None:
+        """Decide a layout chosen at run time (each rank, default group up, before groups are built)."""
+
     @property
     def topology(self) -> Topology:
         """The validated rank layout (pure arithmetic; available before processes start)."""
@@ -196,6 +199,7 @@ class HierStrategy(ParallelStrategy):
                 timeout=self._timeout,
             )
         if self._groups is None:
+            self._resolve_layout()
             self._groups = self.topology.build(self.global_rank, timeout=self._timeout)
         self._start_failure_board()
 
@@ -229,10 +233,15 @@ class HierStrategy(ParallelStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
             self._setup_algorithm(trainer)
             if self._restored is not None:
-                self._load_algorithm_state(self._restored.get("algorithm", {}))
-                self.comm_stats.load_state_dict(self._restored["comm"])
-                # last: the RNG must continue exactly where the saved run was
-                restore_rng(self._restored["rng"])
+                self._apply_restored_state()
+
+    def _apply_restored_state(self) -> None:
+        """Apply this rank's saved algorithm state, accounting and RNG (at the end of ``setup``)."""
+        assert self._restored is not None
+        self._load_algorithm_state(self._restored.get("algorithm", {}))
+        self.comm_stats.load_state_dict(self._restored["comm"])
+        # last: the RNG must continue exactly where the saved run was
+        restore_rng(self._restored["rng"])
 
     def model_to_device(self) -> None:
         assert self.model is not None
