@@ -8,8 +8,6 @@ Lightning's hooks.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
@@ -17,7 +15,7 @@ import torch.distributed as dist
 from lightning_hier import _validate as v
 from lightning_hier.algorithms.averaging import float_buffers
 from lightning_hier.algorithms.hpsgd import HPSGD, MODES, Merge
-from lightning_hier.strategies._base import HierStrategy
+from lightning_hier.strategies._algorithm import AlgorithmStrategy
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -27,7 +25,7 @@ if TYPE_CHECKING:
     from torch.optim import Optimizer
 
 
-class HPSGDStrategy(HierStrategy):
+class HPSGDStrategy(AlgorithmStrategy[HPSGD]):
     """HPSGD: replicas train locally; each window's change is all-reduced behind the next window.
 
     The model is not wrapped in DDP: there is no per-step gradient all-reduce. Every ``window``
@@ -88,7 +86,7 @@ class HPSGDStrategy(HierStrategy):
         self.sync_buffers = v.check_bool(owner, "sync_buffers", sync_buffers)
         self.reset_optimizer_state = v.check_bool(owner, "reset_optimizer_state", reset_optimizer_state)
         self.bucket_size_mb = v.check_float(owner, "bucket_size_mb", bucket_size_mb, low=0.0, low_inclusive=False)
-        self.algorithm: HPSGD | None = None
+        self.algorithm = None
         self._control_group: dist.ProcessGroup | None = None
 
     def _setup_algorithm(self, trainer: pl.Trainer) -> None:
@@ -136,22 +134,3 @@ class HPSGDStrategy(HierStrategy):
             "comm/bytes": float(self.comm_stats.bytes),
             "comm/blocked_s": self.comm_stats.blocked_s,
         }
-
-    def _finalize_algorithm(self) -> None:
-        if self.algorithm is not None:
-            self.algorithm.finalize()
-
-    @contextmanager
-    def _consensus(self) -> Iterator[None]:
-        if self.algorithm is None:
-            yield
-        else:
-            with self.algorithm.consensus():
-                yield
-
-    def _algorithm_state(self) -> dict[str, Any]:
-        return self.algorithm.state_dict() if self.algorithm is not None else {}
-
-    def _load_algorithm_state(self, state: dict[str, Any]) -> None:
-        if self.algorithm is not None and state:
-            self.algorithm.load_state_dict(state)

@@ -112,8 +112,10 @@ def test_bf16_mixed_precision_trains_in_windows_and_ends_on_one_global_model():
 
 def _digits_fit(strategy: object) -> float:
     torch.manual_seed(0)
-    module = digits_classifier(hidden=(64,), lr=0.2, momentum=0.0)
-    t = trainer(strategy=strategy, max_epochs=12)
+    # plain SGD (the paper's setting) with a decaying learning rate: the one-window-stale global
+    # model oscillates at a constant rate, and the decay lets it settle as DDP's does
+    module = digits_classifier(hidden=(64,), lr=0.2, momentum=0.0, scheduler="cosine")
+    t = trainer(strategy=strategy, max_epochs=10)
     dm = digits(batch_size=32)
     t.fit(module, datamodule=dm)
     return t.validate(module, datamodule=dm, verbose=False)[0]["val/acc"]
