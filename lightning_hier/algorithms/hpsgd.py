@@ -23,7 +23,8 @@ the same order.
 Memory: the parameters become views of persistent flat buckets (:class:`FlatTensors`), and the
 state is three bucket lists of the same layout: ``S``, the in-flight ``fly`` and a scratch list
 that holds ``V`` during the first window only (afterwards ``V`` equals ``S``). A merge makes
-four passes over the parameters and allocates nothing.
+four passes over the parameters (``delta``, its norm, ``S += fly / W``, ``x <- S``) and, after
+the first window, allocates no parameter-sized memory.
 
 Pure torch: usable from a plain training loop::
 
