@@ -1,7 +1,7 @@
 """lightning-hier: five distributed-training algorithms as PyTorch Lightning strategies.
 
 Importing the package registers every strategy name with Lightning, so
-``Trainer(strategy="localsgd")`` (and ``"localsgd_spawn"``, ``"localsgd_fork"``) work.
+``Trainer(strategy="hpsgd")`` (and ``"hpsgd_spawn"``, ``"hpsgd_fork"``) work.
 """
 
 from lightning_hier.strategies import (
@@ -9,6 +9,7 @@ from lightning_hier.strategies import (
     DBSStrategy,
     Grid2DStrategy,
     HierStrategy,
+    HPSGDStrategy,
     LocalSGDStrategy,
     register_all,
 )
@@ -18,4 +19,13 @@ __version__ = "0.1.0"
 
 register_all()
 
-__all__ = ["STRATEGIES", "DBSStrategy", "Grid2DStrategy", "HierStrategy", "LocalSGDStrategy", "Topology", "__version__"]
+__all__ = [
+    "STRATEGIES",
+    "DBSStrategy",
+    "Grid2DStrategy",
+    "HPSGDStrategy",
+    "HierStrategy",
+    "LocalSGDStrategy",
+    "Topology",
+    "__version__",
+]
