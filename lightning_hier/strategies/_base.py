@@ -363,7 +363,8 @@ class HierStrategy(ParallelStrategy):
         """
         filepath = self.broadcast(filepath)
         if "optimizer_states" in checkpoint:  # a full checkpoint, not weights_only
-            states = gather_objects(self._rank_state(checkpoint), dst=0, group=dist.group.WORLD)
+            with self._replicas_in_place():
+                states = gather_objects(self._rank_state(checkpoint), dst=0, group=dist.group.WORLD)
             if self.is_global_zero:
                 assert states is not None
                 checkpoint[ckpt.STATE_KEY] = ckpt.strategy_section(
@@ -375,6 +376,23 @@ class HierStrategy(ParallelStrategy):
             ckpt.atomic_save(checkpoint, filepath)
         else:
             self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @contextmanager
+    def _replicas_in_place(self) -> Iterator[None]:
+        """Put the replicas back while inside validation's consensus (a checkpoint saved there).
+
+        Each rank must store its own replica, not the consensus it is validating; the consensus is
+        entered again afterwards (a collective for some algorithms: every rank saves together).
+        """
+        if self._eval_stack is None:
+            yield
+            return
+        self._eval_stack.close()
+        try:
+            yield
+        finally:
+            self._eval_stack = ExitStack()
+            self._eval_stack.enter_context(self._consensus())
 
     def _rank_state(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
         assert self.lightning_module is not None

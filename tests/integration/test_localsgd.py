@@ -87,22 +87,29 @@ def test_ranks_agree_at_every_round_and_at_the_end():
     assert torch.equal(r0["final"], r1["final"])
 
 
-def _fit_with_checkpoints(ckpt_dir: str, resume: str | None) -> dict:
+def _fit_with_checkpoints(ckpt_dir: str, resume: str | None, in_validation: bool = False) -> dict:
     torch.manual_seed(0)
     rec = ParamRecorder()
-    module = digits_classifier(dropout=0.2)  # dropout and augmentation consume the RNG
-    callbacks = [rec, ModelCheckpoint(dirpath=ckpt_dir, save_top_k=-1, filename="{epoch}")]
+    # dropout and augmentation consume the RNG (not with checkpoints saved inside validation: see below)
+    module = digits_classifier(dropout=0.0 if in_validation else 0.2)
+    checkpoint = ModelCheckpoint(
+        dirpath=ckpt_dir, save_top_k=-1, filename="{epoch}", save_on_train_epoch_end=not in_validation
+    )
+    callbacks = [rec, checkpoint]
     t = trainer(
         strategy=LocalSGDStrategy(tau=5, timeout=30), max_epochs=4, callbacks=callbacks, enable_checkpointing=True
     )
-    t.fit(module, datamodule=digits(batch_size=64, augment=True), ckpt_path=resume)
+    t.fit(module, datamodule=digits(batch_size=64, augment=not in_validation), ckpt_path=resume)
     return {"steps": rec.steps, "params": rec.params}
 
 
-def test_resume_continues_bit_identically(tmp_path):
-    # 11 steps per epoch, tau=5: at the end of epoch 2 (step 22) replicas differ (2 local steps)
-    full = run_workers(_fit_with_checkpoints, str(tmp_path / "a"), None, devices=2)
-    resumed = run_workers(_fit_with_checkpoints, str(tmp_path / "b"), str(tmp_path / "a" / "epoch=1.ckpt"), devices=2)
+@pytest.mark.parametrize("in_validation", [False, True], ids=["train_epoch_end", "inside_validation"])
+def test_resume_continues_bit_identically(tmp_path, in_validation):
+    # 11 steps per epoch, tau=5: at the end of epoch 2 (step 22) replicas differ (2 local steps).
+    # Saved inside validation, the module holds the consensus: the replicas must still be stored.
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    full = run_workers(_fit_with_checkpoints, a, None, in_validation, devices=2)
+    resumed = run_workers(_fit_with_checkpoints, b, f"{a}/epoch=1.ckpt", in_validation, devices=2)
     for rank in range(2):
         tail = {s: p for s, p in zip(full[rank]["steps"], full[rank]["params"], strict=True) if s > 22}
         assert resumed[rank]["steps"] == sorted(tail)
