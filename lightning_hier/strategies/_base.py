@@ -42,10 +42,11 @@ from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
+from torch.utils.data import DataLoader
 
 from lightning_hier import _validate as v
 from lightning_hier.comm import CommStats, FailureBoard, broadcast_, broadcast_object, gather_objects
@@ -249,12 +250,10 @@ class HierStrategy(ParallelStrategy):
                 self._apply_restored_state()
 
     def _apply_restored_state(self) -> None:
-        """Apply this rank's saved algorithm state, accounting and RNG (at the end of ``setup``)."""
+        """Apply this rank's saved algorithm state and accounting (the RNG waits for ``on_train_start``)."""
         assert self._restored is not None
         self._load_algorithm_state(self._restored.get("algorithm", {}))
         self.comm_stats.load_state_dict(self._restored["comm"])
-        # last: the RNG must continue exactly where the saved run was
-        restore_rng(self._restored["rng"])
 
     def model_to_device(self) -> None:
         assert self.model is not None
@@ -311,7 +310,24 @@ class HierStrategy(ParallelStrategy):
             self._eval_stack = None
 
     def on_train_start(self) -> None:
-        self._restored = None  # everything restored by now (optimizer states come after setup)
+        if self._restored is not None:
+            restore_rng(self._restored["rng"])  # the last moment before training draws from it
+        self._restored = None  # everything is restored by now (optimizer states come after setup)
+
+    def process_dataloader(self, dataloader: object) -> object:
+        """Give the training DataLoader its own generator for iterator seeds.
+
+        Without one, every ``iter(loader)`` draws a seed from the global RNG, and whether Lightning
+        builds a throwaway iterator after a resume depends on where in the loop the checkpoint was
+        taken; the global stream (dropout, augmentation) would then shift by one draw. The
+        generator is seeded without drawing from the global RNG.
+        """
+        trainer = self.lightning_module._trainer if self.lightning_module is not None else None
+        training = trainer is not None and trainer.state.stage == RunningStage.TRAINING
+        if training and isinstance(dataloader, DataLoader) and dataloader.generator is None:
+            seed = (torch.initial_seed() + 1_000_003 * self.global_rank) % 2**63
+            dataloader.generator = torch.Generator().manual_seed(seed)
+        return dataloader
 
     def on_train_end(self) -> None:
         self._finalize_algorithm()

@@ -189,18 +189,14 @@ def test_validation_during_and_after_fit_and_test_use_the_global_model():
 def _fit_with_checkpoints(ckpt_dir: str, resume: str | None, on_train_epoch_end: bool) -> dict:
     torch.manual_seed(0)
     rec = ParamRecorder()
-    # dropout and augmentation consume the RNG; a checkpoint written inside validation restores
-    # the RNG of that moment, which no strategy can line up with the loop's restart (LocalSGD
-    # with tau=1 diverges the same way), so that variant trains without randomness
-    random = on_train_epoch_end
-    module = digits_classifier(dropout=0.2 if random else 0.0)
+    module = digits_classifier(dropout=0.2)  # dropout and augmentation consume the RNG
     ckpt = ModelCheckpoint(
         dirpath=ckpt_dir, save_top_k=-1, filename="{epoch}", save_on_train_epoch_end=on_train_epoch_end
     )
     t = trainer(
         strategy=HPSGDStrategy(window=4, timeout=30), max_epochs=4, callbacks=[rec, ckpt], enable_checkpointing=True
     )
-    t.fit(module, datamodule=digits(batch_size=64, augment=random), ckpt_path=resume)
+    t.fit(module, datamodule=digits(batch_size=64, augment=True), ckpt_path=resume)
     return {"steps": rec.steps, "params": rec.params}
 
 
