@@ -203,11 +203,17 @@ class GradientWeightedCenter(CenterPolicy):
 
     def state_dict(self) -> dict[str, Any]:
         return {
+            "variant": self.variant,
             "ema": None if self.ema is None else self.ema.state_dict(),
             "weights": None if self.weights is None else self.weights.clone(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("variant", self.variant) != self.variant:
+            raise ValueError(
+                f"GRAWA: the checkpoint was written with variant={state['variant']!r}, this run uses "
+                f"variant={self.variant!r}; resume with the same variant."
+            )
         if state.get("ema") is not None:
             self.ema = NormEMA(self.beta, int(state["ema"]["m"].numel()))
             self.ema.load_state_dict(state["ema"])
