@@ -160,6 +160,7 @@ class PeriodicAveraging:
         self.flat_buffers = FlatTensors(extra, bucket_bytes) if extra else None
         # the replicas start equal, so the initial center is the initial model
         self.center: list[Tensor] | None = self.flat.clone() if policy.keeps_center or rho > 0 else None
+        self._replicas_equal = True  # until the first local step
 
     # ------------------------------------------------------------------ per step
     def observe(self, loss: Tensor) -> None:
@@ -201,6 +202,7 @@ class PeriodicAveraging:
             self.center = None
         if self.flat_buffers is not None:
             all_reduce_mean_(self.flat_buffers.buckets, self.group, self.stats)
+        self._replicas_equal = self.lam == 1.0 and not self.policy.elastic  # every replica is now c
         report = RoundReport(
             round=self.schedule.rounds,
             step=self.schedule.steps,
@@ -230,10 +232,12 @@ class PeriodicAveraging:
         if self.policy.elastic:
             return self.center
         if self.schedule.since_sync == 0:
+            if self._replicas_equal:
+                return None
             if self.center is not None:
-                return self.center  # sum_w w x'_w = c exactly for the pulled replicas x'_w
-            if self.lam == 1.0:
-                return None  # the last round replaced every replica by c
+                # the pulled replicas x'_w = x_w + lam (c - x_w) combine to c: sum_w w_w x'_w = c
+                # (exactly in exact arithmetic), so the stored c is the consensus, without communication
+                return self.center
         if self.group is None:
             return None
         c = self.flat.clone()
@@ -283,12 +287,14 @@ class PeriodicAveraging:
         if self.center is not None and not self.policy.elastic:
             self.center = self.flat.clone()
         self.schedule.since_sync = 0
+        self._replicas_equal = not self.policy.elastic
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
         return {
             "schedule": self.schedule.state_dict(),
             "center": None if self.center is None else [t.detach().clone() for t in self.center],
+            "replicas_equal": self._replicas_equal,
             "policy": self.policy.state_dict(),
         }
 
@@ -297,6 +303,7 @@ class PeriodicAveraging:
         saved = state.get("center")
         buckets = self.flat.buckets
         self.center = None if saved is None else [t.to(b.device, b.dtype) for t, b in zip(saved, buckets, strict=True)]
+        self._replicas_equal = bool(state.get("replicas_equal", self.schedule.since_sync == 0))
         self.policy.load_state_dict(state.get("policy", {}))
 
 

@@ -70,7 +70,10 @@ def _run(policy_name: str, rounds: int, lam: float | None, variant: str = "model
         reports.append(avg.step())
         history.append([p.detach().clone() for p in params])
     center = None if avg.center is None else [t.clone() for t in avg.flat.split(avg.center)]
-    return {"history": history, "reports": reports, "center": center, "lam": avg.lam}
+    with avg.consensus():
+        consensus = [p.detach().clone() for p in params]
+    assert all(torch.equal(p, h) for p, h in zip(params, history[-1], strict=True))  # replica restored
+    return {"history": history, "reports": reports, "center": center, "lam": avg.lam, "consensus": consensus}
 
 
 def _expected_grawa(world: int, rounds: int, lam: float, variant: str, norm: str) -> tuple[list, list]:
@@ -109,6 +112,11 @@ def test_grawa_weights_center_and_pull_match_the_formulas(world, variant, norm):
             torch.testing.assert_close(table[r], expected_w, rtol=1e-6, atol=0)
             for got, want in zip(out[r]["history"][t], xs[t][r], strict=True):
                 torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    # the second round's center: its weights applied to the replicas as the first round left them
+    center = [sum(weights[1][r][i] * xs[0][r][i] for r in range(world)) for i in range(2)]
+    for r in range(world):  # right after a round the consensus is the center, on every rank
+        for got, want in zip(out[r]["consensus"], center, strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
     # every rank logs every rank's raw probe norm
     raw = [sum(_norms(r, 1)) if norm == "sum" else math.hypot(*_norms(r, 1)) for r in range(world)]
     logged = out[1]["reports"][1].grad_norms
@@ -123,6 +131,9 @@ def test_uniform_leader_and_elastic_centers_and_pulls_match_the_formulas(world):
     for r in range(world):
         for got, x, c in zip(uniform[r]["history"][0], xs[r], mean, strict=True):
             torch.testing.assert_close(got, x + 0.25 * (c - x), rtol=0, atol=1e-6)
+        # lam < 1 left the replicas apart: the consensus is the mean of the pulled replicas (= c)
+        for got, c in zip(uniform[r]["consensus"], mean, strict=True):
+            torch.testing.assert_close(got, c, rtol=0, atol=1e-6)
 
     # LSGD: leader = lowest mean observed loss (rank 1 and 3 tie at 1.0: the lowest rank wins)
     leader = run_workers(_run, "leader", 1, 0.2, devices=world)
@@ -130,6 +141,7 @@ def test_uniform_leader_and_elastic_centers_and_pulls_match_the_formulas(world):
     for r in range(world):
         for got, x, c in zip(leader[r]["history"][0], xs[r], xs[1], strict=True):
             torch.testing.assert_close(got, x + 0.2 * (c - x), rtol=0, atol=1e-6)
+        assert all(torch.equal(got, c) for got, c in zip(leader[r]["consensus"], xs[1], strict=True))
 
     # EASGD: replicas pulled toward the *old* center (the initial model), alpha = beta / W; the
     # center moves toward the mean of the pre-pull replicas
@@ -141,6 +153,7 @@ def test_uniform_leader_and_elastic_centers_and_pulls_match_the_formulas(world):
             torch.testing.assert_close(got, x - alpha * (x - c_old), rtol=0, atol=1e-6)
         for got, c_old, m in zip(elastic[r]["center"], xs[0], mean, strict=True):
             torch.testing.assert_close(got, c_old + 0.3 * (m - c_old), rtol=0, atol=1e-6)
+        assert all(torch.equal(a, b) for a, b in zip(elastic[r]["consensus"], elastic[r]["center"], strict=True))
 
 
 def _grawa_vs_localsgd() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
