@@ -51,6 +51,9 @@ class PullToCenter(Callback):
             the strategy's.
         log_layer_weights: Also log every rank's weight of every parameter tensor (LGRAWA), named
             ``grawa/layer_weight/rank{r}/{parameter name}``.
+        log_every_round: Write every round's metrics to the Trainer's loggers at that round's
+            step (rounds seldom fall on ``log_every_n_steps``); False leaves them to Lightning's
+            logging cadence (the latest round's values at each logging step).
 
     Functions given here must be picklable for ``start_method='spawn'`` (use a subclass that
     overrides :meth:`lam_at`, :meth:`rho_at` or :meth:`tau_at` instead of a lambda).
@@ -62,6 +65,7 @@ class PullToCenter(Callback):
         rho: float | Schedule | None = None,
         tau: int | Callable[[int], int] | None = None,
         log_layer_weights: bool = False,
+        log_every_round: bool = True,
     ) -> None:
         owner = type(self).__name__
         if lam is not None and not callable(lam):
@@ -72,6 +76,7 @@ class PullToCenter(Callback):
             v.check_int(owner, "tau", tau, minimum=1)
         self.lam, self.rho, self.tau = lam, rho, tau
         self.log_layer_weights = v.check_bool(owner, "log_layer_weights", log_layer_weights)
+        self.log_every_round = v.check_bool(owner, "log_every_round", log_every_round)
 
     def lam_at(self, round_index: int, default: float) -> float:
         """Pull strength of round ``round_index`` (0-based); ``default`` is the strategy's."""

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from lightning_hier import _validate as v
 from lightning_hier.algorithms.averaging import PeriodicAveraging, float_buffers
-from lightning_hier.algorithms.centers import CenterPolicy, ElasticCenter, LeaderCenter, UniformCenter
+from lightning_hier.algorithms.centers import CenterPolicy, ElasticCenter, LeaderCenter, RoundReport, UniformCenter
 from lightning_hier.callbacks.pull import PullToCenter
 from lightning_hier.strategies._algorithm import AlgorithmStrategy
 
@@ -99,10 +99,19 @@ class AveragingStrategy(AlgorithmStrategy[PeriodicAveraging]):
         self._apply_pull_schedule(self.algorithm, self.pull)
         report = self.algorithm.step(self._norms())
         if report is not None:
-            module = self.lightning_module
-            assert module is not None
-            self._log(self.pull.on_round(module.trainer, module, report))
+            self._log_round(self.pull, report)
         return output
+
+    def _log_round(self, pull: PullToCenter, report: RoundReport) -> None:
+        module = self.lightning_module
+        assert module is not None
+        trainer = module.trainer
+        metrics = pull.on_round(trainer, module, report)
+        # rounds are rare and seldom fall on Lightning's log_every_n_steps: write each one itself
+        self._log(metrics, logger=not pull.log_every_round)
+        if pull.log_every_round and trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=trainer.global_step)  # Lightning's step of this batch
 
     def _apply_pull_schedule(self, algorithm: PeriodicAveraging, pull: PullToCenter) -> None:
         owner, schedule = type(pull).__name__, algorithm.schedule

@@ -4,11 +4,14 @@ The references below simulate every replica in one process with plain torch, fro
 formulas (see ALGORITHMS.md section 4), independently of the classes under test.
 """
 
+import csv
+
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_hier import EasgdStrategy, GrawaStrategy, LocalSGDStrategy, LsgdStrategy
@@ -219,6 +222,22 @@ def test_accumulation_keeps_the_cadence_and_the_callback_sets_the_pull(name, kwa
         assert {"grawa/layer_weight/rank0/net.0.1.weight", "grawa/layer_weight/rank1/net.1.0.bias"} <= set(
             r0["metrics"]
         )
+
+
+@pytest.mark.parametrize(("every_round", "expected"), [(True, [(2, 1), (5, 2), (8, 3)]), (False, [(4, 1), (9, 3)])])
+def test_rounds_reach_the_loggers_once_each_or_at_lightnings_cadence(every_round, expected, tmp_path):
+    def fit() -> None:
+        t = trainer(
+            strategy=LsgdStrategy(tau=3, timeout=30),
+            logger=CSVLogger(str(tmp_path)),
+            log_every_n_steps=5,
+            callbacks=[PullToCenter(log_every_round=every_round)],
+        )
+        t.fit(digits_classifier(), datamodule=digits(batch_size=64))  # 11 steps: rounds after 3, 6, 9
+
+    run_workers(fit, devices=2)
+    rows = list(csv.DictReader(next(tmp_path.rglob("metrics.csv")).read_text().splitlines()))
+    assert [(int(r["step"]), int(float(r["comm/rounds"]))) for r in rows if r["comm/rounds"]] == expected
 
 
 class _ParamsAtValidation(Callback):
