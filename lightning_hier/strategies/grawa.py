@@ -56,7 +56,11 @@ class GrawaStrategy(AveragingStrategy):
         **kwargs: See :class:`~lightning_hier.strategies._base.HierStrategy`.
 
     The consensus model (validation during fit, checkpoints' ``state_dict``, every rank's model
-    after fit) is the center: the replicas weighted with the latest round's weights.
+    after fit) is the center: the replicas weighted with the latest round's weights. Not offered:
+    evaluating the uniform average with BatchNorm statistics recomputed over the training set
+    (the authors' code also does this; it costs a pass over the data), and the paper's
+    "asynchronous" step-budget rounds (under Lightning every rank takes the same number of steps,
+    so it coincides with the synchronous form).
 
     Example:
         >>> import lightning.pytorch as pl
