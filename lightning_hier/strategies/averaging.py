@@ -120,6 +120,10 @@ class AveragingStrategy(AlgorithmStrategy[PeriodicAveraging]):
         algorithm.rho = v.check_float(owner, "rho", pull.rho_at(schedule.steps, self.rho), 0.0, 1.0)
         schedule.tau = v.check_int(owner, "tau", pull.tau_at(schedule.rounds, self.tau), minimum=1)
 
+    def _finalize_algorithm(self) -> None:
+        self._step_args = None  # the probe batch is not needed after training
+        super()._finalize_algorithm()
+
 
 def loss_of(output: Any) -> Tensor | None:
     """The loss in a ``training_step`` output (a tensor, or a mapping with ``'loss'``)."""
