@@ -6,25 +6,31 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_hier import EasgdStrategy, GrawaStrategy, LsgdStrategy
 from lightning_hier.testing import run_workers
-from tests.helpers import ParamRecorder, digits, digits_classifier, trainer
+from tests.helpers import ParamRecorder, assert_resumed_run_matches, digits, digits_classifier, trainer
 
 STRATEGIES = {"easgd": EasgdStrategy, "lsgd": LsgdStrategy, "grawa": GrawaStrategy}
 PARAMS = ["net.0.1.weight", "net.0.1.bias", "net.1.0.weight", "net.1.0.bias"]  # module order
 CASES = [
-    ("grawa", {"variant": "layer", "tau": 5, "rho": 0.1, "probe": "batch"}),
-    ("easgd", {"tau": 5, "rho": 0.05}),
-    ("lsgd", {"tau": 5}),
+    ("grawa", {"variant": "layer", "tau": 5, "rho": 0.1, "probe": "batch"}, False),
+    # saved inside validation, while the module holds the center: the replicas must be stored
+    ("grawa", {"variant": "layer", "tau": 5, "rho": 0.1, "probe": "batch"}, True),
+    ("easgd", {"tau": 5, "rho": 0.05}, False),
+    ("lsgd", {"tau": 5}, False),
 ]
 
 
-def _fit_with_checkpoints(name: str, kwargs: dict, ckpt_dir: str, resume: str | None) -> dict:
+def _fit_with_checkpoints(name: str, kwargs: dict, ckpt_dir: str, resume: str | None, in_validation: bool) -> dict:
     torch.manual_seed(0)
     rec = ParamRecorder()
-    module = digits_classifier(dropout=0.2)  # dropout and augmentation consume the RNG, also in the probe
-    callbacks = [rec, ModelCheckpoint(dirpath=ckpt_dir, save_top_k=-1, filename="{epoch}")]
+    # dropout and augmentation consume the RNG, also in the probe (not with checkpoints saved inside
+    # validation: the RNG captured there is not where the next training step draws, as for Local SGD)
+    module = digits_classifier(dropout=0.0 if in_validation else 0.2)
+    checkpoint = ModelCheckpoint(
+        dirpath=ckpt_dir, save_top_k=-1, filename="{epoch}", save_on_train_epoch_end=not in_validation
+    )
     strategy = STRATEGIES[name](timeout=30, **kwargs)
-    t = trainer(strategy=strategy, max_epochs=4, callbacks=callbacks, enable_checkpointing=True)
-    t.fit(module, datamodule=digits(batch_size=64, augment=True), ckpt_path=resume)
+    t = trainer(strategy=strategy, max_epochs=4, callbacks=[rec, checkpoint], enable_checkpointing=True)
+    t.fit(module, datamodule=digits(batch_size=64, augment=not in_validation), ckpt_path=resume)
     return {"steps": rec.steps, "params": rec.params}
 
 
@@ -46,17 +52,18 @@ def _expected_consensus(name: str, ranks: list[dict]) -> list[torch.Tensor]:
     return [sum(w[r, i] * replicas[r][i] for r in range(len(ranks))) for i in range(len(PARAMS))]
 
 
-@pytest.mark.parametrize(("name", "kwargs"), CASES, ids=[c[0] for c in CASES])
-def test_resume_is_bit_identical_and_the_checkpoint_holds_replicas_center_and_state(name, kwargs, tmp_path):
+@pytest.mark.parametrize(
+    ("name", "kwargs", "in_validation"), CASES, ids=[c[0] + ("-inside-validation" if c[2] else "") for c in CASES]
+)
+def test_resume_is_bit_identical_and_the_checkpoint_holds_replicas_center_and_state(
+    name, kwargs, in_validation, tmp_path
+):
     # 11 steps per epoch, tau = 5: at the end of epoch 2 (step 22) the replicas are 2 steps apart
-    full = run_workers(_fit_with_checkpoints, name, kwargs, str(tmp_path / "a"), None, devices=2)
+    args = (name, kwargs)
+    full = run_workers(_fit_with_checkpoints, *args, str(tmp_path / "a"), None, in_validation, devices=2)
     ckpt_path = tmp_path / "a" / "epoch=1.ckpt"
-    resumed = run_workers(_fit_with_checkpoints, name, kwargs, str(tmp_path / "b"), str(ckpt_path), devices=2)
-    for rank in range(2):
-        tail = {s: p for s, p in zip(full[rank]["steps"], full[rank]["params"], strict=True) if s > 22}
-        assert resumed[rank]["steps"] == sorted(tail)
-        for s, p in zip(resumed[rank]["steps"], resumed[rank]["params"], strict=True):
-            assert torch.equal(p, tail[s]), f"rank {rank} differs at step {s}"
+    resumed = run_workers(_fit_with_checkpoints, *args, str(tmp_path / "b"), str(ckpt_path), in_validation, devices=2)
+    assert_resumed_run_matches(full, resumed, after_step=22)
 
     ckpt = torch.load(ckpt_path, weights_only=True)
     section = ckpt["lightning_hier"]
