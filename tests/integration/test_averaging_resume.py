@@ -22,15 +22,13 @@ CASES = [
 def _fit_with_checkpoints(name: str, kwargs: dict, ckpt_dir: str, resume: str | None, in_validation: bool) -> dict:
     torch.manual_seed(0)
     rec = ParamRecorder()
-    # dropout and augmentation consume the RNG, also in the probe (not with checkpoints saved inside
-    # validation: the RNG captured there is not where the next training step draws, as for Local SGD)
-    module = digits_classifier(dropout=0.0 if in_validation else 0.2)
+    module = digits_classifier(dropout=0.2)  # dropout and augmentation consume the RNG, also in the probe
     checkpoint = ModelCheckpoint(
         dirpath=ckpt_dir, save_top_k=-1, filename="{epoch}", save_on_train_epoch_end=not in_validation
     )
     strategy = STRATEGIES[name](timeout=30, **kwargs)
     t = trainer(strategy=strategy, max_epochs=4, callbacks=[rec, checkpoint], enable_checkpointing=True)
-    t.fit(module, datamodule=digits(batch_size=64, augment=not in_validation), ckpt_path=resume)
+    t.fit(module, datamodule=digits(batch_size=64, augment=True), ckpt_path=resume)
     return {"steps": rec.steps, "params": rec.params}
 
 
