@@ -292,12 +292,19 @@ class HierStrategy(ParallelStrategy):
             )
         return self.optimizers[0]
 
-    def _log(self, metrics: dict[str, float]) -> None:
-        """Record per-round metrics; logged through the LightningModule when logging is allowed."""
+    def _log(self, metrics: dict[str, float], logger: bool = True) -> None:
+        """Record per-round metrics; logged through the LightningModule when logging is allowed.
+
+        Args:
+            metrics: Scalar metrics.
+            logger: Also hand them to the Trainer's loggers at Lightning's cadence
+                (``log_every_n_steps``); False keeps them in ``callback_metrics`` and the progress
+                bar only (for a strategy that writes them to the loggers itself, e.g. every round).
+        """
         self.last_metrics.update(metrics)
         module = self.lightning_module
         if module is not None and module._current_fx_name in ("optimizer_step", "training_step"):
-            module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
+            module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1, logger=logger)
 
     # ------------------------------------------------------------------ lifecycle hooks
     def on_validation_start(self) -> None:
