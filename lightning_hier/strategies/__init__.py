@@ -4,8 +4,9 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_hier.strategies._base import HierStrategy
 from lightning_hier.strategies.averaging import LocalSGDStrategy
+from lightning_hier.strategies.decoupled import DecoupledStrategy
 
-STRATEGIES: tuple[type[HierStrategy], ...] = (LocalSGDStrategy,)
+STRATEGIES: tuple[type[HierStrategy], ...] = (LocalSGDStrategy, DecoupledStrategy)
 
 
 def register_all() -> None:
@@ -14,4 +15,4 @@ def register_all() -> None:
         cls.register_strategies(StrategyRegistry)
 
 
-__all__ = ["STRATEGIES", "HierStrategy", "LocalSGDStrategy", "register_all"]
+__all__ = ["STRATEGIES", "DecoupledStrategy", "HierStrategy", "LocalSGDStrategy", "register_all"]
