@@ -18,18 +18,20 @@ ROWS = 4
 SPLITS = {1: [], 2: [2], 3: [1, 3], 4: [1, 2, 3]}
 
 
-def _blocks() -> list[nn.Module]:
+def _blocks(batchnorm: bool = False) -> list[nn.Module]:
     torch.manual_seed(0)
+    # autograd saves BatchNorm's running statistics, which later forwards update in place
+    norm = [nn.BatchNorm1d(8)] if batchnorm else []
     return [
         nn.Sequential(nn.Flatten(), nn.Linear(6, 8), nn.ReLU()),
-        nn.Sequential(nn.Linear(8, 8), nn.ReLU()),
+        nn.Sequential(nn.Linear(8, 8), *norm, nn.ReLU()),
         nn.Sequential(nn.Linear(8, 8), nn.Tanh()),
         nn.Linear(8, 3),
     ]
 
 
-def _stages(num_stages: int) -> list[nn.Module]:
-    blocks = _blocks()
+def _stages(num_stages: int, batchnorm: bool = False) -> list[nn.Module]:
+    blocks = _blocks(batchnorm)
     return [nn.Sequential(*[blocks[i] for i in r]) for r in stage_ranges(SPLITS[num_stages], len(blocks))]
 
 
@@ -54,13 +56,15 @@ def _concatenated(replicas: int, batches: tuple[int, ...]) -> list[list[tuple[to
     ]
 
 
-def _run_stage(num_stages: int, schedule: str, weights: str, beta: float, batches: tuple[int, ...]) -> dict:
+def _run_stage(
+    num_stages: int, schedule: str, weights: str, beta: float, batches: tuple[int, ...], batchnorm: bool = False
+) -> dict:
     dist.init_process_group("gloo")
     topo = Topology(dist.get_world_size(), pipe=num_stages)
     rank = dist.get_rank()
     groups = topo.build(rank)
     k, d = topo.coords(rank).pipe, topo.coords(rank).data
-    stage = _stages(num_stages)[k]
+    stage = _stages(num_stages, batchnorm)[k]
     optimizer = _optimizer(stage)
     pipe = DecoupledPipeline(
         stage,
@@ -104,9 +108,11 @@ CASES = [
 
 @pytest.mark.parametrize(("num_stages", "replicas", "schedule", "weights", "beta", "batches"), CASES)
 def test_every_stage_follows_the_stale_gradient_rule(num_stages, replicas, schedule, weights, beta, batches):
-    out = run_workers(_run_stage, num_stages, schedule, weights, beta, batches, devices=num_stages * replicas)
+    bn = replicas == 1  # with replicas, BatchNorm's batch statistics differ from the concatenated batch's
+    out = run_workers(_run_stage, num_stages, schedule, weights, beta, batches, bn, devices=num_stages * replicas)
     # N replicas = one replica on the concatenated batch (the mean of the replicas' gradients)
-    expected = simulate(_stages(num_stages), _concatenated(replicas, batches), schedule, _optimizer, weights, beta)
+    stages = _stages(num_stages, bn)
+    expected = simulate(stages, _concatenated(replicas, batches), schedule, _optimizer, weights, beta)
     for rank, o in enumerate(out):
         k = o["stage"]
         assert len(o["params"]) == len(expected[k])
@@ -193,9 +199,10 @@ def test_beta_scales_stage_k_by_beta_to_the_k_to_last_hops():
 def _eval_forward() -> dict:
     dist.init_process_group("gloo")
     k = dist.get_rank()
-    stage = _stages(2)[k]
+    stage = _stages(2, batchnorm=True)[k]
     pipe = DecoupledPipeline(stage, stage_index=k, stage_ranks=[0, 1], pipe_group=dist.group.WORLD)
     x = torch.randn(5, 2, 3, generator=torch.Generator().manual_seed(3))
+    stage.eval()
     with torch.inference_mode():
         a = pipe.forward_eval(x)
         b = pipe.forward_eval(x[:2])  # another shape reuses/grows the buffers
@@ -204,7 +211,7 @@ def _eval_forward() -> dict:
 
 def test_evaluation_forward_gives_every_stage_the_whole_models_output():
     out = run_workers(_eval_forward, devices=2)
-    whole = nn.Sequential(*_blocks())
+    whole = nn.Sequential(*_blocks(batchnorm=True)).eval()
     x = torch.randn(5, 2, 3, generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         want = whole(x)

@@ -17,6 +17,10 @@ Weight versions for a backward that happens after later updates (option ``weight
   current weights (as Features Replay does), with the forward's RNG state (same dropout masks) and
   without touching buffers a second time (BatchNorm statistics are updated once, at forward time).
 
+A delayed forward runs on private copies of the buffers, copied back into the module afterwards:
+autograd saves BatchNorm's running statistics, which the next forward updates in place, so a
+graph kept in a FIFO must not share them.
+
 A stage whose gradient comes back before its next update (staleness 0: the last stage, every
 stage of the ``sync`` schedule) needs no copy: all three options then coincide.
 """
@@ -88,14 +92,23 @@ class StageRunner:
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
         self.flat = FlatTensors(self.params)
+        self.buffer_names = [n for n, _ in module.named_buffers()]
+        self.buffers = [b for _, b in module.named_buffers()]
 
     @property
     def device(self) -> torch.device:
         return self.flat.buckets[0].device if self.flat.buckets else torch.device("cpu")
 
-    def _call(self, leaves: list[Tensor], inputs: Tensor) -> Tensor:
-        views = self.flat.split(leaves)
-        return functional_call(self.module, dict(zip(self.names, views, strict=True)), (inputs,))
+    def _call(self, leaves: list[Tensor], inputs: Tensor, buffers: list[Tensor] | None = None) -> Tensor:
+        tensors = dict(zip(self.names, self.flat.split(leaves), strict=True))
+        if buffers is not None:
+            tensors.update(zip(self.buffer_names, buffers, strict=True))
+        return functional_call(self.module, tensors, (inputs,))
+
+    def _call_private(self, leaves: list[Tensor], inputs: Tensor) -> tuple[Tensor, list[Tensor]]:
+        """Forward on copies of the buffers (the graph keeps them); returns the output and the copies."""
+        copies = [b.detach().clone() for b in self.buffers]
+        return self._call(leaves, inputs, copies), copies
 
     def _live(self) -> list[Tensor]:
         return [_alias(b) for b in self.flat.buckets]
@@ -116,21 +129,19 @@ class StageRunner:
             leaves = [b.detach().clone().requires_grad_() for b in self.flat.buckets]
         else:
             leaves = self._live()
-        output = self._call(leaves, inputs)
+        output, buffers = self._call_private(leaves, inputs)
+        with torch.no_grad():  # the statistics update of this forward, made once
+            for live, updated in zip(self.buffers, buffers, strict=True):
+                live.copy_(updated)
         return output, InFlight(batch, inputs, output, leaves)
 
     def backward_delayed(self, entry: InFlight, grad_output: Tensor) -> list[Tensor]:
         """Backward of a FIFO entry with the gradient of its output; returns the weight leaves (holding ``.grad``)."""
         if entry.leaves is None:  # recompute: rebuild the graph at the current weights
             assert entry.rng is not None
-            buffers = list(self.module.buffers())
-            saved = [b.clone() for b in buffers]
             with _replay_rng(entry.rng, entry.inputs.device), torch.enable_grad():
                 leaves = self._live()
-                output = self._call(leaves, entry.inputs)
-            with torch.no_grad():
-                for b, s in zip(buffers, saved, strict=True):
-                    b.copy_(s)
+                output, _ = self._call_private(leaves, entry.inputs)  # statistics were updated at forward time
         else:
             assert entry.output is not None
             leaves, output = entry.leaves, entry.output
