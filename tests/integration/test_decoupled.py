@@ -113,7 +113,8 @@ def test_delayed_schedules_follow_the_stale_gradient_reference(devices, stages, 
             # the epoch's last step also runs the drain iterations
             iteration = epoch * (batches + drain) + i + (drain if i == batches - 1 else 0)
             torch.testing.assert_close(got, history[k][iteration], atol=1e-6, rtol=1e-5, msg=f"stage {k} step {step}")
-        per_epoch = [sum(o["reports"][e * batches : (e + 1) * batches], []) for e in range(EPOCHS)]
+        steps = o["reports"]
+        per_epoch = [[r for step in steps[e * batches : (e + 1) * batches] for r in step] for e in range(EPOCHS)]
         for reports in per_epoch:
             assert len(reports) == batches + drain and reports[-1].in_flight == 0
             assert sorted(r.applied for r in reports if r.applied is not None) == list(range(batches))
