@@ -48,6 +48,7 @@ are not called.
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from itertools import pairwise
@@ -235,6 +236,11 @@ class DecoupledStrategy(HierStrategy):
             raise ValueError("DecoupledStrategy: LBFGS re-evaluates its closure; use an optimizer that steps once.")
         stage = self._cut.stage()
         _check_optimizer_params(optimizer, stage)
+        # step-wise schedulers advance every iteration, also on stages still waiting for their
+        # first gradient; torch would warn that the first learning rate was skipped, which it is not
+        warnings.filterwarnings(
+            "ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before", category=UserWarning
+        )
         topo, coords = self.topology, self.topology.coords(self.global_rank)
         self.pipeline = DecoupledPipeline(
             stage,
