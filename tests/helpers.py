@@ -44,6 +44,19 @@ def flat_params(module: torch.nn.Module) -> Tensor:
     return torch.cat([p.detach().reshape(-1).clone() for p in module.parameters()])
 
 
+def assert_resumed_run_continues(full: list[dict], resumed: list[dict], after_step: int) -> None:
+    """Each rank's resumed run records, step for step, the same parameters as the uninterrupted run.
+
+    ``full`` and ``resumed`` hold one ``{"steps": [...], "params": [...]}`` per rank (a
+    :class:`ParamRecorder`'s lists); the resumed run started from the checkpoint at ``after_step``.
+    """
+    for rank, (a, b) in enumerate(zip(full, resumed, strict=True)):
+        tail = {s: p for s, p in zip(a["steps"], a["params"], strict=True) if s > after_step}
+        assert b["steps"] == sorted(tail), f"rank {rank} resumed at the wrong step"
+        for s, p in zip(b["steps"], b["params"], strict=True):
+            assert torch.equal(p, tail[s]), f"rank {rank} differs at step {s}"
+
+
 class ParamRecorder(Callback):
     """Records the flattened parameters after every optimizer step (rank-local)."""
 
