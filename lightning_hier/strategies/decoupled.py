@@ -138,6 +138,7 @@ class DecoupledStrategy(HierStrategy):
         self.last_reports: list[IterationReport] = []
         """What every stage iteration of the latest training step did (for monitors and tests)."""
         self._cut: pm.CutModel | None = None
+        self._split: tuple[int, ...] | None = None  # the cut in use (kept after fit: optimizer states follow it)
         self._missing_on_load: list[str] = []
 
     def _layout(self) -> dict[str, int]:
@@ -184,6 +185,7 @@ class DecoupledStrategy(HierStrategy):
             self._cut = pm.cut(
                 module, self.module_attr, split, self.stages, self.topology.coords(self.global_rank).pipe
             )
+            self._split = self._cut.split
         except ValueError as err:
             raise ValueError(f"DecoupledStrategy: {err}") from None
         unexpected = [k for k in self._missing_on_load if k not in set(self._cut.foreign_keys())]
@@ -354,17 +356,18 @@ class DecoupledStrategy(HierStrategy):
         self._missing_on_load = list(missing)
 
     def _algorithm_state(self) -> dict[str, Any]:
-        if self._cut is None or self.pipeline is None:
-            return {}
+        split = {"split": list(self._split)} if self._split is not None else {}
+        if self.pipeline is None:
+            return split  # after fit: the whole model, but the optimizer still holds this stage only
         if self.pipeline.in_flight:
             log.warning(
                 "DecoupledStrategy: checkpoint taken with batches in flight (mid-epoch); they are not saved, so a "
                 "run resumed from it skips their updates. Epoch-end checkpoints are exact."
             )
-        return {"split": list(self._cut.split), "pipeline": self.pipeline.state_dict()}
+        return {**split, "pipeline": self.pipeline.state_dict()}
 
     def _load_algorithm_state(self, state: dict[str, Any]) -> None:
-        if self.pipeline is not None and state:
+        if self.pipeline is not None and "pipeline" in state:
             self.pipeline.load_state_dict(state["pipeline"])
 
 
