@@ -261,8 +261,11 @@ class DecoupledPipeline:
         return _Done(entry.batch, gradient.value, int(entry.inputs.shape[0]), outgoing)
 
     def _apply(self, leaves: list[Tensor], apply: Apply) -> None:
-        grads = self.runner.flat_grads(leaves)
-        all_reduce_mean_(grads, self.data_group, self.stats)
+        grads = self.runner.grads(leaves)
+        if self.data_group is not None:
+            flat = self.runner.flatten(grads)
+            all_reduce_mean_(flat, self.data_group, self.stats)
+            grads = self.runner.flat.split(flat)
         self.runner.set_grads(grads)
         apply()
         self.runner.clear_grads()

@@ -1,9 +1,10 @@
 """One pipeline stage: its forward and its (possibly delayed) backward at a chosen weight version.
 
 The stage's parameters are moved into persistent flat buckets (:class:`FlatTensors`) once. A
-forward runs the stage with ``torch.func.functional_call`` on views of a *weight version*, a leaf
-tensor per bucket, so the backward writes one flat gradient per bucket (ready for the
-data-parallel all-reduce) and the live parameters can be updated in place meanwhile.
+forward runs the stage with ``torch.func.functional_call`` on a *weight version*: one leaf tensor
+per parameter, viewing either the live buckets or a copy of them (a single memcpy). The leaves are
+separate autograd leaves, not views of one flat leaf: autograd would turn each view's gradient
+into a zero-filled bucket-sized tensor, costing ``O(parameters x bucket)`` per backward.
 
 Weight versions for a backward that happens after later updates (option ``weights``):
 
@@ -51,11 +52,15 @@ class InFlight:
     rng: tuple[Tensor, Tensor | None] | None = None
 
 
-def _alias(bucket: Tensor) -> Tensor:
-    """A leaf sharing ``bucket``'s storage with a version counter of its own."""
+def _alias(view: Tensor) -> Tensor:
+    """A leaf sharing ``view``'s memory, with a version counter of its own.
+
+    In-place optimizer updates of the live parameters then go unnoticed by autograd: what the
+    ``legacy`` option wants (and harmless when the backward comes before any update).
+    """
     with torch.no_grad():
-        alias = torch.empty(0, dtype=bucket.dtype, device=bucket.device)
-        alias.set_(bucket.untyped_storage(), bucket.storage_offset(), bucket.shape, bucket.stride())
+        alias = torch.empty(0, dtype=view.dtype, device=view.device)
+        alias.set_(view.untyped_storage(), view.storage_offset(), view.shape, view.stride())
     return alias.requires_grad_()
 
 
@@ -99,8 +104,12 @@ class StageRunner:
     def device(self) -> torch.device:
         return self.flat.buckets[0].device if self.flat.buckets else torch.device("cpu")
 
+    def _leaves(self, buckets: list[Tensor]) -> list[Tensor]:
+        """One autograd leaf per parameter, viewing its slice of ``buckets``."""
+        return [_alias(view) for view in self.flat.split(buckets)]
+
     def _call(self, leaves: list[Tensor], inputs: Tensor, buffers: list[Tensor] | None = None) -> Tensor:
-        tensors = dict(zip(self.names, self.flat.split(leaves), strict=True))
+        tensors = dict(zip(self.names, leaves, strict=True))
         if buffers is not None:
             tensors.update(zip(self.buffer_names, buffers, strict=True))
         return functional_call(self.module, tensors, (inputs,))
@@ -111,7 +120,7 @@ class StageRunner:
         return self._call(leaves, inputs, copies), copies
 
     def _live(self) -> list[Tensor]:
-        return [_alias(b) for b in self.flat.buckets]
+        return self._leaves(self.flat.buckets)
 
     def forward_now(self, inputs: Tensor) -> tuple[Tensor, list[Tensor]]:
         """Forward for a backward that comes before the next update: no copy of the weights."""
@@ -125,10 +134,7 @@ class StageRunner:
             with torch.no_grad():
                 output = self.module(inputs)
             return output, InFlight(batch, inputs, None, None, rng)
-        if self.weights == "stash":
-            leaves = [b.detach().clone().requires_grad_() for b in self.flat.buckets]
-        else:
-            leaves = self._live()
+        leaves = self._leaves(self.flat.clone()) if self.weights == "stash" else self._live()
         output, buffers = self._call_private(leaves, inputs)
         with torch.no_grad():  # the statistics update of this forward, made once
             for live, updated in zip(self.buffers, buffers, strict=True):
@@ -148,13 +154,21 @@ class StageRunner:
         torch.autograd.backward(output, grad_tensors=grad_output)
         return leaves
 
-    def flat_grads(self, leaves: list[Tensor]) -> list[Tensor]:
-        """One flat gradient per bucket (zeros where no parameter of the bucket got a gradient)."""
+    @staticmethod
+    def grads(leaves: list[Tensor]) -> list[Tensor]:
+        """The gradient of each parameter (zeros where a parameter got none)."""
         return [leaf.grad if leaf.grad is not None else torch.zeros_like(leaf) for leaf in leaves]
 
+    def flatten(self, grads: list[Tensor]) -> list[Tensor]:
+        """Per-parameter tensors packed into the bucket layout (for one collective per bucket)."""
+        return [
+            torch.cat([grads[i].reshape(-1) for i in self.flat.segment_indices(b)])
+            for b in range(len(self.flat.buckets))
+        ]
+
     def set_grads(self, grads: list[Tensor]) -> None:
-        """Point every parameter's ``.grad`` at its slice of ``grads`` (flat, bucket layout)."""
-        for p, g in zip(self.params, self.flat.split(grads), strict=True):
+        """Make ``grads`` (one per parameter) the parameters' ``.grad``."""
+        for p, g in zip(self.params, grads, strict=True):
             p.grad = g
 
     def clear_grads(self) -> None:
