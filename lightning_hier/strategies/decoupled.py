@@ -140,6 +140,7 @@ class DecoupledStrategy(HierStrategy):
         self._cut: pm.CutModel | None = None
         self._split: tuple[int, ...] | None = None  # the cut in use (kept after fit: optimizer states follow it)
         self._missing_on_load: list[str] = []
+        self._example_input: Any = None
 
     def _layout(self) -> dict[str, int]:
         return {"pipe": self.stages}
@@ -191,6 +192,10 @@ class DecoupledStrategy(HierStrategy):
         unexpected = [k for k in self._missing_on_load if k not in set(self._cut.foreign_keys())]
         if unexpected:
             raise ValueError(f"DecoupledStrategy: the checkpoint lacks this stage's entries {unexpected[:5]}.")
+        # ModelSummary would run the example through this rank's partial model; restored after fit
+        lightning_module = self.lightning_module
+        assert lightning_module is not None
+        self._example_input, lightning_module.example_input_array = lightning_module.example_input_array, None
 
     def _choose_split(self, trainer: pl.Trainer, blocks: pm.Container) -> tuple[int, ...]:
         saved = self._restored.get("algorithm", {}).get("split") if self._restored is not None else None
@@ -200,8 +205,8 @@ class DecoupledStrategy(HierStrategy):
             return tuple(saved)
         if self.split is not None:
             return self.split
-        if self.stages == 1:
-            return ()
+        if self.stages == len(blocks):
+            return tuple(range(1, self.stages))  # one block per stage: nothing to balance
         costs = measure_block_costs(list(blocks), self._sample_input(trainer)) if self.global_rank == 0 else None
         split = balanced_split(costs, self.stages) if costs is not None else None
         return tuple(broadcast_object(split, 0, torch.distributed.group.WORLD))
@@ -332,6 +337,7 @@ class DecoupledStrategy(HierStrategy):
         if self.pipeline.in_flight:  # fit stopped mid-epoch
             self._drain()
         pm.reassemble(self._cut, self.root_device, self.pipeline.ranks, self.groups.pipe)
+        self.lightning_module.example_input_array = self._example_input  # type: ignore[union-attr]
         self._cut, self.pipeline = None, None
 
     # ------------------------------------------------------------------ checkpoints

@@ -168,8 +168,9 @@ def test_resume_continues_bit_identically_and_checkpoints_hold_the_whole_model(t
 
 def test_fork_launcher_returns_the_whole_trained_model_and_validation_is_consistent():
     module = digits_classifier(hidden=(32, 32))
+    module.example_input_array = torch.zeros(64, 1, 8, 8)  # times the blocks; hidden from the summary during fit
     dm = digits(batch_size=64)
-    t = trainer(strategy="decoupled_fork", max_epochs=2)
+    t = trainer(strategy="decoupled_fork", max_epochs=2, enable_model_summary=True)
     t.fit(module, datamodule=dm)
     staged_val = float(t.callback_metrics["val/acc"])  # staged forward over the stages, during fit
     dm.setup()
