@@ -12,7 +12,8 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from itertools import pairwise
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -21,6 +22,10 @@ from lightning_hier.algorithms.decoupled import check_split, stage_ranges
 from lightning_hier.comm import broadcast_, gather_objects
 from lightning_hier.comm.collectives import Group
 from lightning_hier.strategies._checkpoint import detach_state
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from torch.optim import Optimizer
 
 Container = nn.Sequential | nn.ModuleList
 
@@ -161,3 +166,43 @@ def forward_replaced(target: nn.Module, forward: Any) -> Iterator[None]:
         yield
     finally:
         del target.forward
+
+
+def check_split_argument(owner: str, split: Sequence[int] | None, stages: int) -> tuple[int, ...] | None:
+    """Validate the strategy's ``split`` argument at construction (the block count comes later)."""
+    if split is None:
+        return None
+    allowed = f"None or {stages - 1} strictly increasing positive block indices (one per stage after the first)"
+    points = list(split) if isinstance(split, list | tuple) else None
+    if points is None or len(points) != stages - 1 or not all(isinstance(p, int) and p > 0 for p in points):
+        raise ValueError(f"{owner}: argument `split` must be {allowed}, got {split!r}.")
+    if any(b <= a for a, b in pairwise(points)):
+        raise ValueError(f"{owner}: argument `split` must be {allowed}, got {split!r}.")
+    return tuple(points)
+
+
+def check_optimizer_params(optimizer: Optimizer, stage: nn.Module) -> None:
+    """The optimizer must hold this stage's parameters only (it was built after the cut)."""
+    mine = {id(p) for p in stage.parameters()}
+    foreign = [p for group in optimizer.param_groups for p in group["params"] if id(p) not in mine]
+    if foreign:
+        raise ValueError(
+            f"DecoupledStrategy: the optimizer holds {len(foreign)} parameter(s) of other stages; build it in "
+            "configure_optimizers from self.parameters() (called after the strategy cut the model)."
+        )
+
+
+def sample_input(module: pl.LightningModule, trainer: pl.Trainer, device: torch.device) -> Tensor:
+    """One batch of inputs to time the blocks on: ``example_input_array`` or the first training batch."""
+    example = module.example_input_array
+    if isinstance(example, Tensor):
+        return example.to(device)
+    with torch.random.fork_rng():  # iterating the loader must not shift the run's random stream
+        batch = next(iter(trainer.fit_loop._data_source.dataloader()))
+        batch = module._apply_batch_transfer_handler(batch, device)
+    if isinstance(batch, list | tuple) and batch and isinstance(batch[0], Tensor):
+        return batch[0]
+    raise ValueError(
+        "DecoupledStrategy: cannot find a sample input to balance the stages; pass `split` explicitly or set "
+        "`example_input_array` on the LightningModule."
+    )

@@ -51,7 +51,6 @@ import logging
 import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from itertools import pairwise
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -125,7 +124,7 @@ class DecoupledStrategy(HierStrategy):
         super().__init__(**kwargs)
         owner = type(self).__name__
         self.stages = v.check_int(owner, "stages", stages, minimum=1)
-        self.split = _check_split_argument(owner, split, self.stages)
+        self.split = pm.check_split_argument(owner, split, self.stages)
         self.schedule = v.check_choice(owner, "schedule", schedule, SCHEDULES)
         self.weights = v.check_choice(owner, "weights", weights, WEIGHTS)
         self.beta = v.check_float(owner, "beta", beta, low=0.0, high=1.0, low_inclusive=False)
@@ -207,26 +206,12 @@ class DecoupledStrategy(HierStrategy):
             return self.split
         if self.stages == len(blocks):
             return tuple(range(1, self.stages))  # one block per stage: nothing to balance
-        costs = measure_block_costs(list(blocks), self._sample_input(trainer)) if self.global_rank == 0 else None
-        split = balanced_split(costs, self.stages) if costs is not None else None
-        return tuple(broadcast_object(split, 0, torch.distributed.group.WORLD))
-
-    def _sample_input(self, trainer: pl.Trainer) -> Tensor:
-        """One batch of inputs to time the blocks on: ``example_input_array`` or the first training batch."""
         module = self.lightning_module
         assert module is not None
-        example = module.example_input_array
-        if isinstance(example, Tensor):
-            return example.to(self.root_device)
-        with torch.random.fork_rng():  # iterating the loader must not shift the run's random stream
-            batch = next(iter(trainer.fit_loop._data_source.dataloader()))
-            batch = module._apply_batch_transfer_handler(batch, self.root_device)
-        if isinstance(batch, list | tuple) and batch and isinstance(batch[0], Tensor):
-            return batch[0]
-        raise ValueError(
-            "DecoupledStrategy: cannot find a sample input to balance the stages; pass `split` explicitly or set "
-            "`example_input_array` on the LightningModule."
-        )
+        sample = pm.sample_input(module, trainer, self.root_device) if self.global_rank == 0 else None
+        costs = measure_block_costs(list(blocks), sample) if sample is not None else None
+        split = balanced_split(costs, self.stages) if costs is not None else None
+        return tuple(broadcast_object(split, 0, torch.distributed.group.WORLD))
 
     def _setup_algorithm(self, trainer: pl.Trainer) -> None:
         module = self.lightning_module
@@ -242,7 +227,7 @@ class DecoupledStrategy(HierStrategy):
         if isinstance(optimizer, torch.optim.LBFGS):
             raise ValueError("DecoupledStrategy: LBFGS re-evaluates its closure; use an optimizer that steps once.")
         stage = self._cut.stage()
-        _check_optimizer_params(optimizer, stage)
+        pm.check_optimizer_params(optimizer, stage)
         # step-wise schedulers advance every iteration, also on stages still waiting for their
         # first gradient; torch would warn that the first learning rate was skipped, which it is not
         warnings.filterwarnings(
@@ -379,25 +364,3 @@ class DecoupledStrategy(HierStrategy):
 
 def _no_closure() -> None:
     return None
-
-
-def _check_split_argument(owner: str, split: Sequence[int] | None, stages: int) -> tuple[int, ...] | None:
-    if split is None:
-        return None
-    allowed = f"None or {stages - 1} strictly increasing positive block indices (one per stage after the first)"
-    points = list(split) if isinstance(split, list | tuple) else None
-    if points is None or len(points) != stages - 1 or not all(isinstance(p, int) and p > 0 for p in points):
-        raise ValueError(f"{owner}: argument `split` must be {allowed}, got {split!r}.")
-    if any(b <= a for a, b in pairwise(points)):
-        raise ValueError(f"{owner}: argument `split` must be {allowed}, got {split!r}.")
-    return tuple(points)
-
-
-def _check_optimizer_params(optimizer: Optimizer, stage: nn.Module) -> None:
-    mine = {id(p) for p in stage.parameters()}
-    foreign = [p for group in optimizer.param_groups for p in group["params"] if id(p) not in mine]
-    if foreign:
-        raise ValueError(
-            f"DecoupledStrategy: the optimizer holds {len(foreign)} parameter(s) of other stages; build it in "
-            "configure_optimizers from self.parameters() (called after the strategy cut the model)."
-        )

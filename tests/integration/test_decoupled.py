@@ -141,7 +141,8 @@ def test_accuracy_is_within_one_point_of_ddp_at_equal_epochs_and_global_batch(de
 def _fit_with_checkpoints(ckpt_dir: str, resume: str | None, stages: int = 2) -> dict:
     torch.manual_seed(0)
     recorder = ParamRecorder()
-    module = digits_classifier(dropout=0.2)  # dropout and augmentation consume the RNG
+    # 3 blocks: the split is timed on the first batch; a resumed run must take the saved one
+    module = digits_classifier(hidden=(32, 32), dropout=0.2)  # dropout and augmentation consume the RNG
     callbacks = [recorder, ModelCheckpoint(dirpath=ckpt_dir, save_top_k=-1, filename="{epoch}")]
     strategy = DecoupledStrategy(stages=stages, timeout=30)
     t = trainer(strategy=strategy, max_epochs=4, callbacks=callbacks, enable_checkpointing=True)
@@ -157,7 +158,7 @@ def test_resume_continues_bit_identically_and_checkpoints_hold_the_whole_model(t
     section = ckpt["lightning_hier"]
     stage_keys = [set(r["model"]) for r in section["ranks"]]
     assert section["strategy"] == "decoupled" and not stage_keys[0] & stage_keys[1]
-    whole = digits_classifier(dropout=0.2)
+    whole = digits_classifier(hidden=(32, 32), dropout=0.2)
     whole.load_state_dict(ckpt["state_dict"])  # strict: the ordinary, unsharded model
     for rank_state in section["ranks"]:
         for key, value in rank_state["model"].items():
