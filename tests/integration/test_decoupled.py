@@ -34,14 +34,19 @@ def _shard(replica: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(SAMPLES, 1, 8, 8, generator=g), torch.randint(0, 10, (SAMPLES,), generator=g)
 
 
-def _reference_epochs(replicas: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
-    """One replica on the concatenated batches of all replicas."""
+def _reference_epochs(replicas: int, steps: int = -1) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """One replica on the concatenated batches of all replicas (the first ``steps`` batches, if given)."""
     shards = [_shard(d) for d in range(replicas)]
     batches = [
         (torch.cat([x[i : i + BATCH] for x, _ in shards]), torch.cat([y[i : i + BATCH] for _, y in shards]))
         for i in range(0, SAMPLES, BATCH)
     ]
-    return [batches] * EPOCHS
+    epochs = [batches] * EPOCHS
+    if steps >= 0:
+        epochs = [batches] * (steps // len(batches)) + (
+            [batches[: steps % len(batches)]] if steps % len(batches) else []
+        )
+    return epochs
 
 
 class _Reports(Callback):
@@ -52,7 +57,7 @@ class _Reports(Callback):
         self.reports.append(list(trainer.strategy.last_reports))
 
 
-def _fit_shards(stages: int, schedule: str, weights: str, beta: float) -> dict:
+def _fit_shards(stages: int, schedule: str, weights: str, beta: float, max_steps: int = -1) -> dict:
     rank = int(os.environ["RANK"])  # set by run_workers; the process group starts inside fit()
     x, y = _shard(rank // stages)  # every stage of replica d reads shard d
     recorder, reports = ParamRecorder(), _Reports()
@@ -63,6 +68,7 @@ def _fit_shards(stages: int, schedule: str, weights: str, beta: float) -> dict:
         strategy=strategy,
         devices=int(os.environ["WORLD_SIZE"]),
         max_epochs=EPOCHS,
+        max_steps=max_steps,
         use_distributed_sampler=False,
         callbacks=[recorder, reports],
     )
@@ -97,27 +103,35 @@ def test_sync_schedule_equals_single_process_backprop_step_by_step(devices, stag
 
 
 @pytest.mark.parametrize(
-    ("devices", "stages", "schedule", "weights", "beta"),
-    [(2, 2, "fdg", "stash", 0.5), (4, 4, "ddg", "recompute", 1.0), (4, 2, "fdg", "stash", 1.0)],
+    ("devices", "stages", "schedule", "weights", "beta", "max_steps"),
+    [
+        (2, 2, "fdg", "stash", 0.5, -1),
+        (4, 4, "ddg", "recompute", 1.0, -1),
+        (4, 2, "fdg", "stash", 1.0, 10),  # stops 3 batches into the second epoch: drained there
+    ],
 )
-def test_delayed_schedules_follow_the_stale_gradient_reference(devices, stages, schedule, weights, beta):
-    out = run_workers(_fit_shards, stages, schedule, weights, beta, devices=devices)
+def test_delayed_schedules_follow_the_stale_gradient_reference(devices, stages, schedule, weights, beta, max_steps):
+    out = run_workers(_fit_shards, stages, schedule, weights, beta, max_steps, devices=devices)
     model = _classifier().net
     blocks = [torch.nn.Sequential(*[model[i] for i in r]) for r in stage_ranges(SPLITS[stages], 4)]
-    history = simulate(blocks, _reference_epochs(devices // stages), schedule, _optimizer, weights, beta)
-    batches, drain = SAMPLES // BATCH, update_lag(schedule, 0, stages)
+    epochs = _reference_epochs(devices // stages, max_steps)
+    history = simulate(blocks, epochs, schedule, _optimizer, weights, beta)
+    drain = update_lag(schedule, 0, stages)
+    # Lightning step -> reference iteration: the last step of an epoch also runs the drain
+    iterations = []
+    for e, batches in enumerate(epochs):
+        start = sum(len(b) + drain for b in epochs[:e])
+        iterations += [start + i + (drain if i == len(batches) - 1 else 0) for i in range(len(batches))]
     for o in out:
         k = o["stage"]
-        for step, got in enumerate(o["params"]):
-            epoch, i = divmod(step, batches)
-            # the epoch's last step also runs the drain iterations
-            iteration = epoch * (batches + drain) + i + (drain if i == batches - 1 else 0)
+        assert len(o["params"]) == len(iterations)
+        for step, (got, iteration) in enumerate(zip(o["params"], iterations, strict=True)):
             torch.testing.assert_close(got, history[k][iteration], atol=1e-6, rtol=1e-5, msg=f"stage {k} step {step}")
-        steps = o["reports"]
-        per_epoch = [[r for step in steps[e * batches : (e + 1) * batches] for r in step] for e in range(EPOCHS)]
-        for reports in per_epoch:
-            assert len(reports) == batches + drain and reports[-1].in_flight == 0
-            assert sorted(r.applied for r in reports if r.applied is not None) == list(range(batches))
+        steps = iter(o["reports"])
+        for batches in epochs:
+            reports = [r for _ in batches for r in next(steps)]
+            assert len(reports) == len(batches) + drain and reports[-1].in_flight == 0
+            assert sorted(r.applied for r in reports if r.applied is not None) == list(range(len(batches)))
 
 
 def _fit_digits(strategy, devices: int, batch_size: int, epochs: int) -> float:
