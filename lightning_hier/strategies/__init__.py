@@ -5,8 +5,9 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning_hier.strategies._base import HierStrategy
 from lightning_hier.strategies.averaging import LocalSGDStrategy
 from lightning_hier.strategies.decoupled import DecoupledStrategy
+from lightning_hier.strategies.grid2d import Grid2DStrategy
 
-STRATEGIES: tuple[type[HierStrategy], ...] = (LocalSGDStrategy, DecoupledStrategy)
+STRATEGIES: tuple[type[HierStrategy], ...] = (LocalSGDStrategy, Grid2DStrategy, DecoupledStrategy)
 
 
 def register_all() -> None:
@@ -15,4 +16,4 @@ def register_all() -> None:
         cls.register_strategies(StrategyRegistry)
 
 
-__all__ = ["STRATEGIES", "DecoupledStrategy", "HierStrategy", "LocalSGDStrategy", "register_all"]
+__all__ = ["STRATEGIES", "DecoupledStrategy", "Grid2DStrategy", "HierStrategy", "LocalSGDStrategy", "register_all"]
