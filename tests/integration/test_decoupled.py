@@ -137,7 +137,7 @@ def test_delayed_schedules_follow_the_stale_gradient_reference(devices, stages, 
 def _fit_digits(strategy, devices: int, batch_size: int, epochs: int) -> float:
     torch.manual_seed(0)
     module = digits_classifier(hidden=(64,), lr=0.05, scheduler="cosine")  # settled final accuracies
-    t = trainer(strategy=strategy, devices=devices, max_epochs=epochs)
+    t = trainer(strategy=strategy, devices=devices, max_epochs=epochs, check_val_every_n_epoch=epochs)
     t.fit(module, datamodule=digits(batch_size=batch_size))
     return float(t.callback_metrics["val/acc"])
 
