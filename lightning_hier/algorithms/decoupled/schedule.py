@@ -17,6 +17,12 @@ schedule   forward           backward          staleness ``tau_k`` of stage ``k`
 
 A decoupled direction moves one hop per iteration (messages are exchanged at the end of each
 iteration); a locked one crosses the whole pipeline inside one iteration.
+
+Order within an iteration (a decision): forward first, delayed backward second. With the other
+order the forward would already see the update made in the same iteration, so FDG's stages
+``k < K - 1`` would lag ``2 (K - 1 - k) - 1`` updates while the last lags 0; forward-first makes
+the update lag equal the index lag ``tau_k`` on every stage and schedule (one rule for all), and it
+is the only order in which DDG's locked forward chain can run without waiting on backward passes.
 """
 
 from __future__ import annotations
