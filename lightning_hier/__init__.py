@@ -7,6 +7,7 @@ Importing the package registers every strategy name with Lightning, so
 from lightning_hier.strategies import (
     STRATEGIES,
     DBSStrategy,
+    DecoupledStrategy,
     EasgdStrategy,
     GrawaStrategy,
     Grid2DStrategy,
@@ -25,6 +26,7 @@ register_all()
 __all__ = [
     "STRATEGIES",
     "DBSStrategy",
+    "DecoupledStrategy",
     "EasgdStrategy",
     "GrawaStrategy",
     "Grid2DStrategy",

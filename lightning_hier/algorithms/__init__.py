@@ -4,6 +4,7 @@ from lightning_hier.algorithms.averaging import LocalSGD, PeriodicAveraging, Per
 from lightning_hier.algorithms.centers import CenterPolicy, ElasticCenter, LeaderCenter, RoundReport, UniformCenter
 from lightning_hier.algorithms.dbs import DynamicBatchSize, ThroughputMeter, shard_sizes, split_batch
 from lightning_hier.algorithms.dbs_sampler import Allocation, DynamicBatchSampler
+from lightning_hier.algorithms.decoupled import DecoupledPipeline
 from lightning_hier.algorithms.grawa import GradientWeightedCenter, NormEMA, grad_norms, probe_grad_norms
 from lightning_hier.algorithms.hpsgd import HPSGD, Merge
 
@@ -11,6 +12,7 @@ __all__ = [
     "HPSGD",
     "Allocation",
     "CenterPolicy",
+    "DecoupledPipeline",
     "DynamicBatchSampler",
     "DynamicBatchSize",
     "ElasticCenter",

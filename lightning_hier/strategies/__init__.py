@@ -5,6 +5,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning_hier.strategies._base import HierStrategy
 from lightning_hier.strategies.averaging import AveragingStrategy, EasgdStrategy, LocalSGDStrategy, LsgdStrategy
 from lightning_hier.strategies.dbs import DBSStrategy
+from lightning_hier.strategies.decoupled import DecoupledStrategy
 from lightning_hier.strategies.grawa import GrawaStrategy
 from lightning_hier.strategies.grid2d import Grid2DStrategy
 from lightning_hier.strategies.hpsgd import HPSGDStrategy
@@ -16,6 +17,7 @@ STRATEGIES: tuple[type[HierStrategy], ...] = (
     GrawaStrategy,
     HPSGDStrategy,
     DBSStrategy,
+    DecoupledStrategy,
     Grid2DStrategy,
 )
 
@@ -30,6 +32,7 @@ __all__ = [
     "STRATEGIES",
     "AveragingStrategy",
     "DBSStrategy",
+    "DecoupledStrategy",
     "EasgdStrategy",
     "GrawaStrategy",
     "Grid2DStrategy",
