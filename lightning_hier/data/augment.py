@@ -9,9 +9,19 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
-def normalize(x: Tensor, mean: Sequence[float], std: Sequence[float]) -> Tensor:
-    """Scale ``uint8`` images to [0, 1] and standardise each channel (dimension 1)."""
-    x = x.float().div_(255.0) if x.dtype == torch.uint8 else x.float()
+def normalize(x: Tensor, mean: Sequence[float], std: Sequence[float], dtype: torch.dtype | None = None) -> Tensor:
+    """Scale ``uint8`` images to [0, 1] and standardise each channel (dimension 1).
+
+    Args:
+        x: A batch, ``uint8`` images or floating-point features.
+        mean: Per-channel mean (of the scaled data).
+        std: Per-channel standard deviation.
+        dtype: Result dtype (the model's, e.g. float64 under ``precision="64-true"``); default:
+            ``x``'s floating dtype, float32 for ``uint8``.
+    """
+    if dtype is None:
+        dtype = x.dtype if x.is_floating_point() else torch.float32
+    x = x.to(dtype).div_(255.0) if x.dtype == torch.uint8 else x.to(dtype)
     shape = (1, len(mean)) + (1,) * (x.dim() - 2)
     m = torch.tensor(mean, dtype=x.dtype, device=x.device).view(shape)
     s = torch.tensor(std, dtype=x.dtype, device=x.device).view(shape)

@@ -6,6 +6,7 @@ from abc import abstractmethod
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from torch import Tensor
 from torch.utils.data import DataLoader
 
@@ -85,7 +86,10 @@ class ArrayDataModule(pl.LightningDataModule):
 
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         x, y = batch
-        x = normalize(x, self.arrays.mean, self.arrays.std)
+        # the model's dtype: floating inputs were already converted by the precision plugin
+        module = self.trainer.lightning_module if self.trainer is not None else None
+        dtype = module.dtype if module is not None and isinstance(module.dtype, torch.dtype) else None
+        x = normalize(x, self.arrays.mean, self.arrays.std, dtype)
         if self.augment and x.dim() == 4 and self.trainer is not None and self.trainer.training:
             x = random_crop_flip(x)
         return x, y

@@ -186,4 +186,27 @@ def test_augmentation_is_per_image_and_shape_preserving():
 def test_normalize_scales_uint8_and_standardises_channels():
     x = torch.full((1, 3, 2, 2), 255, dtype=torch.uint8)
     out = normalize(x, (0.5, 0.5, 0.5), (0.25, 0.25, 0.25))
-    assert torch.allclose(out, torch.full_like(out, 2.0))
+    assert out.dtype == torch.float32 and torch.allclose(out, torch.full_like(out, 2.0))
+    assert normalize(x, (0.5,) * 3, (0.25,) * 3, torch.float64).dtype == torch.float64
+    assert normalize(torch.ones(2, 3, dtype=torch.float64), (0.0,), (1.0,)).dtype == torch.float64
+
+
+@pytest.mark.parametrize("precision", ["64-true", "bf16-true"])
+def test_datamodule_batches_follow_the_model_precision(precision):
+    import lightning.pytorch as pl
+
+    from lightning_hier.models import Classifier, small_cnn
+
+    t = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        precision=precision,
+        max_steps=2,
+        limit_val_batches=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+    )
+    t.fit(Classifier(small_cnn((1, 8, 8), 10), 10), datamodule=DigitsDataModule(batch_size=16, augment=True))
+    assert t.global_step == 2
