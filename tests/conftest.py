@@ -9,7 +9,11 @@ import pytest
 
 from lightning_hier.testing import isolated_global_state
 
-SHARED_DATASETS = Path(__file__).resolve().parents[2] / "shared" / "datasets"
+# ../shared/datasets beside the checkout (a git worktree may sit one level deeper)
+SHARED_DATASETS = next(
+    (p / "shared" / "datasets" for p in Path(__file__).resolve().parents[1:4] if (p / "shared" / "datasets").is_dir()),
+    Path(__file__).resolve().parents[2] / "shared" / "datasets",
+)
 
 
 @pytest.fixture(autouse=True)

@@ -4,6 +4,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -49,3 +51,15 @@ def test_wheel_contains_conf_and_entry_point_composes_from_it(tmp_path):
     )
     assert cfg.returncode == 0, cfg.stderr[-3000:]
     assert "DDPStrategy" in cfg.stdout
+
+
+def test_every_subpackage_is_listed_for_packaging():
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {
+        ".".join(p.parent.relative_to(REPO).parts)
+        for p in (REPO / "lightning_hier").rglob("__init__.py")
+        if "__pycache__" not in p.parts
+    }
+    assert found - listed == set(), "add these to [tool.setuptools] packages in pyproject.toml"
