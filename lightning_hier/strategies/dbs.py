@@ -29,7 +29,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any
 
-from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from torch.utils.data import DataLoader
 
 from lightning_hier import _validate as v
@@ -135,8 +135,28 @@ class DBSStrategy(HierStrategy):
             raise ValueError(f"{type(self).__name__}: {given}: {err}") from None
 
     # ------------------------------------------------------------------ set-up
+    def setup(self, trainer: pl.Trainer) -> None:
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.algorithm = None  # a new fit builds a new algorithm (see _build_algorithm)
+        super().setup(trainer)
+
     def _setup_algorithm(self, trainer: pl.Trainer) -> None:
         self._require_single_optimizer()
+        self._build_algorithm()
+        callbacks: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]
+        if not any(isinstance(c, DBSCallback) for c in callbacks):
+            # first, so checkpoints saved at the end of a batch already hold that step's rebalance
+            callbacks.insert(0, DBSCallback())
+
+    def _build_algorithm(self) -> DynamicBatchSize:
+        """The algorithm, built once per fit: by the training loader when that comes first.
+
+        A learning-rate schedule reads ``trainer.estimated_stepping_batches`` inside
+        ``configure_optimizers``, which makes Lightning build the training loader before the
+        optimizers (and so before ``_setup_algorithm``); the loader still needs the allocation.
+        """
+        if self.algorithm is not None:
+            return self.algorithm
         module: nn.Module = self.lightning_module  # type: ignore[assignment]
         self.algorithm = DynamicBatchSize(
             module.parameters(),
@@ -151,16 +171,13 @@ class DBSStrategy(HierStrategy):
             bucket_bytes=int(self.bucket_size_mb * 2**20),
             stats=self.comm_stats,
         )
-        callbacks: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]
-        if not any(isinstance(c, DBSCallback) for c in callbacks):
-            # first, so checkpoints saved at the end of a batch already hold that step's rebalance
-            callbacks.insert(0, DBSCallback())
+        return self.algorithm
 
     def process_dataloader(self, dataloader: object) -> object:
         """Training loader: batches from the strategy's allocation; other stages: unchanged."""
         module = self.lightning_module
         stage = module.trainer.state.stage if module is not None and module._trainer is not None else None
-        if stage != RunningStage.TRAINING or self.algorithm is None:
+        if stage != RunningStage.TRAINING:
             return dataloader
         if not isinstance(dataloader, DataLoader):
             raise TypeError(
@@ -180,7 +197,7 @@ class DBSStrategy(HierStrategy):
                 f"{self.topology.data} ranks = {global_batch}"
             )
         self._check_split(global_batch, source)
-        allocation = self.algorithm.bind(global_batch)
+        allocation = self._build_algorithm().bind(global_batch)
         return super().process_dataloader(dynamic_batch_loader(dataloader, allocation, seed=_global_seed()))
 
     # ------------------------------------------------------------------ per step

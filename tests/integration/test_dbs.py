@@ -249,3 +249,16 @@ def test_training_data_that_is_not_a_dataloader_is_rejected():
 
     with pytest.raises(WorkerFailed, match="must be a torch DataLoader over a map-style dataset, got Tensor"):
         run_workers(fit, devices=2)
+
+
+def test_a_learning_rate_schedule_does_not_bypass_the_dbs_sampler():
+    """A schedule reads estimated_stepping_batches in configure_optimizers, which builds the
+    training loader before the optimizers: the loader must still come from the allocation."""
+
+    def fit() -> tuple[int, list[int]]:
+        t = trainer(strategy=DBSStrategy(timeout=30, warmup_steps=0, rebalance_every=5), max_epochs=1)
+        t.fit(digits_classifier(scheduler="cosine", warmup_steps=3), datamodule=digits(batch_size=32))
+        return t.global_step, t.strategy.algorithm.allocation.sizes
+
+    (steps0, sizes0), (steps1, sizes1) = run_workers(fit, devices=2)
+    assert steps0 == steps1 == 1437 // 64 and sum(sizes0) == 64 and sizes0 == sizes1
