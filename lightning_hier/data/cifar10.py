@@ -45,7 +45,9 @@ def default_cache_dir() -> Path:
     return Path.home() / ".cache" / "lightning_hier"
 
 
-def read_cifar10_split(root: str | Path, split: str, cache_dir: str | Path | None = None) -> tuple[np.ndarray, np.ndarray]:
+def read_cifar10_split(
+    root: str | Path, split: str, cache_dir: str | Path | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """Images ``[N, 3, 32, 32]`` (uint8) and labels of ``split`` ('train' or 'test'), cached.
 
     Raises:
@@ -101,7 +103,9 @@ def _from_archive(path: Path, split: str) -> tuple[np.ndarray, np.ndarray]:
                 elif name.lower().endswith(_IMAGE_SUFFIXES) and _image_split(name) == split:
                     images.append((name, _read_member(tar, member)))
     except (tarfile.TarError, OSError, EOFError) as err:
-        raise DatasetCorruptError(f"CIFAR-10: cannot read archive {path}: {err}. Replace it with a complete copy.") from err
+        raise DatasetCorruptError(
+            f"CIFAR-10: cannot read archive {path}: {err}. Replace it with a complete copy."
+        ) from err
     if batches:
         return _stack_batches(sorted(batches))
     if images:
@@ -193,8 +197,13 @@ def load_cifar10_arrays(root: str | Path, cache_dir: str | Path | None = None, t
         keep = np.sort(np.random.default_rng(0).permutation(len(x_train))[:train_size])
         x_train, y_train = x_train[keep], y_train[keep]
     return Arrays(
-        torch.from_numpy(x_train), torch.from_numpy(y_train), torch.from_numpy(x_val), torch.from_numpy(y_val),
-        10, MEAN, STD,
+        torch.from_numpy(x_train),
+        torch.from_numpy(y_train),
+        torch.from_numpy(x_val),
+        torch.from_numpy(y_val),
+        10,
+        MEAN,
+        STD,
     )
 
 
