@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.netns import EmulatedCluster
+from benchmarks.netns import EmulatedCluster, interrupts_deferred
 from benchmarks.straggler import CpuQuota, Straggler
 from lightning_hier.testing.harness import _FOREIGN_ENV, _FOREIGN_ENV_PREFIXES, worker_env
 
@@ -91,8 +91,9 @@ def run_job(
     before = [cluster.counters(r) for r in range(cluster.ranks)]
     start = time.perf_counter()
     with _quota(straggler) as quota:
-        procs = _start(cluster, spec_path, run_dir, port, cores, quota, straggler)
+        procs: list[subprocess.Popen[bytes]] = []
         try:
+            _start(cluster, spec_path, run_dir, port, cores, quota, straggler, procs)
             _wait(procs, run_dir, timeout_s)
         finally:
             end_ranks(procs)
@@ -130,10 +131,13 @@ def _start(
     cores: list[int],
     quota: CpuQuota | None,
     straggler: Straggler | None,
-) -> list[subprocess.Popen[bytes]]:
+    procs: list[subprocess.Popen[bytes]],
+) -> None:
+    """Start every rank, appending each to ``procs`` (owned by the caller, who ends them)."""
     run_id = uuid.uuid4().hex[:12]
-    procs: list[subprocess.Popen[bytes]] = []
-    try:
+    # an interrupt inside Popen, after the fork, would leave a started rank untracked (and its
+    # cgroup busy): interrupts wait until every rank is in `procs`
+    with interrupts_deferred():
         for rank in range(cluster.ranks):
             argv = [*cluster.exec_prefix(rank), "taskset", "-c", str(cores[rank])]
             argv += [sys.executable, "-m", "benchmarks.worker", str(spec_path)]
@@ -150,10 +154,6 @@ def _start(
                         preexec_fn=quota.join if slow and quota is not None else None,
                     )
                 )
-    except BaseException:
-        end_ranks(procs)
-        raise
-    return procs
 
 
 def _wait(procs: list[subprocess.Popen[bytes]], run_dir: Path, timeout_s: float) -> None:

@@ -22,7 +22,11 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from types import TracebackType
 
@@ -33,6 +37,7 @@ BRIDGE = "lhbbr"
 MAX_RANKS = 250
 _RATE = re.compile(r"^(\d+(?:\.\d+)?)([kmg]?)bit$")
 _UNITS = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9}
+INTERRUPTS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
 
 
 class NetnsError(RuntimeError):
@@ -70,6 +75,29 @@ class Link:
         if parse_rate(self.rate) is None:
             return None
         return ["tbf", "rate", self.rate, "burst", self.burst, "latency", self.latency]
+
+
+@contextmanager
+def interrupts_deferred() -> Iterator[None]:
+    """Hold SIGINT/SIGTERM/SIGHUP inside the block; they are raised again right after it.
+
+    For steps that must not stop half-way: starting ranks (an interrupt inside ``Popen``, after
+    the fork, would leave a started rank untracked) and tearing the cluster down. Python-level
+    handlers, not a signal mask: a mask is per thread, and torch runs threads of its own. Call
+    from the main thread (as ``signal.signal`` requires); elsewhere the block runs undeferred.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending: list[int] = []
+    previous = {sig: signal.signal(sig, lambda signum, frame: pending.append(signum)) for sig in INTERRUPTS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        for signum in pending:
+            signal.raise_signal(signum)
 
 
 def run_cmd(*argv: str) -> str:
@@ -221,15 +249,16 @@ class EmulatedCluster:
         return {"tx": int(stats["tx"]["bytes"]), "rx": int(stats["rx"]["bytes"])}
 
     def down(self) -> None:
-        """Delete every namespace this cluster created (idempotent)."""
+        """Delete every namespace this cluster created (idempotent, not interruptible half-way)."""
         errors = []
-        for name in reversed(self._created):
-            try:
-                run_cmd("ip", "netns", "delete", name)
-            except NetnsError as err:
-                if name in list_namespaces():
-                    errors.append(str(err))
-        self._created.clear()
+        with interrupts_deferred():
+            for name in reversed(self._created):
+                try:
+                    run_cmd("ip", "netns", "delete", name)
+                except NetnsError as err:
+                    if name in list_namespaces():
+                        errors.append(str(err))
+            self._created.clear()
         if errors:
             raise NetnsError("could not remove namespaces: " + "; ".join(errors))
 

@@ -39,8 +39,11 @@ def target_checks(results: dict[str, Any]) -> list[dict[str, Any]]:
 def render(results: dict[str, Any], plot_dir: Path, base: Path, workloads: list[str] | None = None) -> str:
     """Markdown of the results; plot links relative to ``base`` (the folder of the file it goes into)."""
     meta = results["meta"]
-    names = [w for w in results["workloads"] if workloads is None or w in workloads]
+    done = {w: e for w, e in results["workloads"].items() if "comparison" in e}  # at least one run finished
+    names = [w for w in done if workloads is None or w in workloads]
     parts = [meta_line(meta), ""]
+    if results.get("interrupted"):
+        parts += ["**Interrupted: partial results.**", ""]
     checks = [c for c in target_checks(results) if workloads is None or c["workload"] in workloads]
     if checks:
         parts += ["Targets (ratios against DDP in the same invocation):", "", targets_table(checks), ""]
@@ -61,7 +64,7 @@ def write_outputs(results: dict[str, Any], out: Path, update_readme: bool) -> No
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=1, default=float) + "\n")
     for name, result in results["workloads"].items():
-        if any("error" not in r for r in result["runs"].values()):
+        if "comparison" in result and any("error" not in r for r in result["runs"].values()):
             plot_workload(WORKLOADS[name], result, out / f"{name}.png")
     (out / "results.md").write_text(render(results, out, out))
     if not update_readme:

@@ -12,10 +12,12 @@ from __future__ import annotations
 import math
 import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from benchmarks.launch import JobResult
 from benchmarks.scenarios import BASELINE, NO_COMM, Scenario, Target, Workload
+
+if TYPE_CHECKING:
+    from benchmarks.launch import JobResult
 
 MiB = 2**20
 

@@ -31,7 +31,14 @@ from typing import Any
 
 from benchmarks import netns, publish
 from benchmarks.scenarios import REPO, SCENARIOS, WORKLOADS, Plan, Scenario, Workload, available_strategies, plan
-from benchmarks.straggler import DEFAULT_DELAY_CALLBACK, MODES, Straggler, load_factory, remove_stale_cgroups
+from benchmarks.straggler import (
+    DEFAULT_DELAY_CALLBACK,
+    MODES,
+    Straggler,
+    cgroup_flavour,
+    load_factory,
+    remove_stale_cgroups,
+)
 
 RESULTS = REPO / "benchmarks" / "results"
 QUICK_OUT = RESULTS / "tmp" / "quick"
@@ -74,6 +81,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def straggler_problem(args: argparse.Namespace, the_plan: Plan) -> str | None:
+    """Why a planned straggler cannot be emulated in the chosen mode, or ``None``."""
+    slowed = [name for name in the_plan.runs if WORKLOADS[name].straggler]
+    if slowed and args.straggler_mode == "cgroup" and cgroup_flavour() is None:
+        return (
+            f"workload(s) {', '.join(slowed)} slow a rank, but this host has no cgroup CPU controller; "
+            "use --straggler-mode delay"
+        )
+    return None
+
+
 def default_data_root() -> Path | None:
     """``shared/datasets/cifar10-jpeg.tar.gz`` beside the repository or one of its parents."""
     for parent in REPO.parents:
@@ -105,7 +123,7 @@ def run_overrides(args: argparse.Namespace, workload: Workload, scenario: Scenar
 
 def validate(args: argparse.Namespace, the_plan: Plan, data: list[str]) -> None:
     """Compose every run's config and construct its strategy now, so bad arguments fail before any run."""
-    from benchmarks.worker import RUN_OVERRIDES, compose_config
+    from benchmarks.rank import RUN_OVERRIDES, compose_config
     from lightning_hier.train import build_strategy
 
     for name, scenarios in the_plan.runs.items():
@@ -134,46 +152,55 @@ def _terminate(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)  # unwinds through the finally blocks that remove ranks and namespaces
 
 
-def run_plan(args: argparse.Namespace, the_plan: Plan, data: list[str]) -> dict[str, Any]:
-    """Run every planned job on one emulated cluster; return the results document."""
+def run_plan(args: argparse.Namespace, the_plan: Plan, data: list[str], results: dict[str, Any]) -> None:
+    """Run every planned job on one emulated cluster, filling ``results`` as runs finish.
+
+    On an interruption (or any error) ``results["interrupted"]`` is set and the exception goes on,
+    after the ranks, the cgroup and the namespaces are gone.
+    """
     from benchmarks.launch import JobFailed, run_job
     from benchmarks.report import compare, summarize
 
-    results: dict[str, Any] = {"meta": metadata(args), "workloads": {}}
     work = args.out / "tmp" / f"runs-{dt.datetime.now():%Y%m%d-%H%M%S}"  # rank logs; benchmarks/results/tmp is ignored
     results["meta"]["logs"] = str(work)
     port = FIRST_PORT
-    with netns.EmulatedCluster(args.ranks, netns.Link(args.link or "1gbit")) as cluster:
-        for name, scenarios in the_plan.runs.items():
-            w = WORKLOADS[name]
-            link = args.link or w.link
-            cluster.set_link(netns.Link(link))
-            straggler = w.straggler_spec(args.straggler_mode, args.straggler_callback)
-            if straggler is not None and straggler.rank >= args.ranks:
-                straggler = None
-            runs: dict[str, Any] = {}
-            for sc in scenarios:
-                spec = {
-                    "ranks": args.ranks,
-                    "searchpath": str(w.searchpath),
-                    "overrides": run_overrides(args, w, sc, data),
-                }
-                spec["delay"] = _delay(straggler)
-                print(f"[bench] {name} / {sc.label}: {' '.join(sc.hydra_overrides())}", flush=True)
-                started = time.perf_counter()
-                try:
-                    job = run_job(cluster, spec, work / name / sc.label, port, args.timeout, _cgroup(straggler))
-                    runs[sc.label] = summarize(sc, job)
-                    print(f"[bench]   {_progress(runs[sc.label])}", flush=True)
-                except JobFailed as err:
-                    runs[sc.label] = {"label": sc.label, "strategy": sc.strategy, "error": str(err)}
-                    print(f"[bench]   FAILED after {time.perf_counter() - started:.0f} s: {err}", flush=True)
-                port += 1
-            entry: dict[str, Any] = {"link": link, "straggler": _straggler_info(straggler), "runs": runs}
-            entry["comparison"] = compare(w, runs)
-            results["workloads"][name] = entry
-    results["skipped"] = [{"workload": s.workload, "label": s.label, "reason": why} for s, why in the_plan.skipped]
-    return results
+    try:
+        with netns.EmulatedCluster(args.ranks, netns.Link(args.link or "1gbit")) as cluster:
+            for name, scenarios in the_plan.runs.items():
+                w = WORKLOADS[name]
+                link = args.link or w.link
+                cluster.set_link(netns.Link(link))
+                straggler = w.straggler_spec(args.straggler_mode, args.straggler_callback)
+                if straggler is not None and straggler.rank >= args.ranks:
+                    straggler = None
+                runs: dict[str, Any] = {}
+                entry = {"link": link, "straggler": _straggler_info(straggler), "runs": runs}
+                results["workloads"][name] = entry
+                for sc in scenarios:
+                    spec = {
+                        "ranks": args.ranks,
+                        "searchpath": str(w.searchpath),
+                        "overrides": run_overrides(args, w, sc, data),
+                        "delay": _delay(straggler),
+                    }
+                    print(f"[bench] {name} / {sc.label}: {' '.join(sc.hydra_overrides())}", flush=True)
+                    started = time.perf_counter()
+                    try:
+                        job = run_job(cluster, spec, work / name / sc.label, port, args.timeout, _cgroup(straggler))
+                        runs[sc.label] = summarize(sc, job)
+                        print(f"[bench]   {_progress(runs[sc.label])}", flush=True)
+                    except JobFailed as err:
+                        runs[sc.label] = {"label": sc.label, "strategy": sc.strategy, "error": str(err)}
+                        print(f"[bench]   FAILED after {time.perf_counter() - started:.0f} s: {err}", flush=True)
+                    entry["comparison"] = compare(w, runs)
+                    port += 1
+    except BaseException:
+        results["interrupted"] = True
+        raise
+
+
+def _skipped(the_plan: Plan) -> list[dict[str, str]]:
+    return [{"workload": s.workload, "label": s.label, "reason": why} for s, why in the_plan.skipped]
 
 
 def _straggler_info(straggler: Straggler | None) -> dict[str, Any] | None:
@@ -248,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     if not the_plan.runs:
         print("benchmarks: nothing to run (no selected scenario has a registered strategy)")
         return 1
-    problem = netns.requirements_problem() or publish.plotting_problem()
+    problem = netns.requirements_problem() or publish.plotting_problem() or straggler_problem(args, the_plan)
     if problem:
         print(f"benchmarks: {problem}", file=sys.stderr)
         return 2
@@ -259,8 +286,12 @@ def main(argv: list[str] | None = None) -> int:
     remove_stale_cgroups()
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _terminate)
-    results = run_plan(args, the_plan, data)
-    publish.write_outputs(results, args.out, args.update_readme)
+    results: dict[str, Any] = {"meta": metadata(args), "workloads": {}, "skipped": _skipped(the_plan)}
+    try:
+        run_plan(args, the_plan, data, results)
+    finally:
+        if any(e.get("runs") for e in results["workloads"].values()):  # partial results too, never the READMEs
+            publish.write_outputs(results, args.out, args.update_readme and not results.get("interrupted"))
     failed = [f"{w}/{k}" for w, e in results["workloads"].items() for k, r in e["runs"].items() if "error" in r]
     print(f"[bench] wrote {args.out}" + (f"; FAILED runs: {', '.join(failed)}" if failed else ""), flush=True)
     return 1 if failed else 0

@@ -9,27 +9,25 @@ Two modes:
   slower, like a slower machine.
 - ``delay``: a Lightning callback built on the slowed rank by a factory ``module:attr`` called
   as ``factory(factor=factor)`` (pluggable: e.g. the DBS straggler callback of
-  :mod:`lightning_hier.callbacks`). The default, :class:`SleepStraggler`, sleeps after every
-  training batch in proportion to the compute it just did.
+  :mod:`lightning_hier.callbacks`). The default, :class:`benchmarks.delay.SleepStraggler`, sleeps
+  after every training batch in proportion to the compute it just did.
+
+This module imports no Lightning, so the runner and ``--cleanup`` stay light.
 """
 
 from __future__ import annotations
 
 import importlib
 import os
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback
-
 from benchmarks.netns import PREFIX
 
 MODES = ("cgroup", "delay")
-DEFAULT_DELAY_CALLBACK = "benchmarks.straggler:SleepStraggler"
+DEFAULT_DELAY_CALLBACK = "benchmarks.delay:SleepStraggler"
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 PERIOD_US = 20_000  # short periods throttle smoothly at the time scale of one training step
 MIN_QUOTA_US = 1_000  # the kernel's minimum quota
@@ -140,7 +138,7 @@ def remove_stale_cgroups(root: Path = CGROUP_ROOT) -> list[str]:
     return removed
 
 
-def load_factory(spec: str) -> Callable[..., Callback]:
+def load_factory(spec: str) -> Callable[..., Any]:
     """Import ``module:attr`` (the delay-mode callback factory)."""
     module, sep, attr = spec.partition(":")
     if not sep or not module or not attr:
@@ -152,48 +150,3 @@ def load_factory(spec: str) -> Callable[..., Callback]:
     if not callable(factory):
         raise ValueError(f"straggler callback {spec!r} is not callable.")
     return factory
-
-
-class SleepStraggler(Callback):
-    """Makes this rank ``factor`` times slower by sleeping after each training batch.
-
-    The sleep is ``(factor - 1)`` times the batch's compute, estimated as 3x its forward time
-    (backward costs about two forwards). The forward is timed because, unlike the backward, it
-    holds no gradient communication under DDP, so the delay does not grow with the network.
-
-    Args:
-        factor: Slow-down factor (> 1).
-        clock: Time source (tests inject a fake one).
-        sleep: Sleep function (tests inject a fake one).
-    """
-
-    def __init__(
-        self,
-        factor: float,
-        clock: Callable[[], float] = time.perf_counter,
-        sleep: Callable[[float], None] = time.sleep,
-    ) -> None:
-        if factor <= 1.0:
-            raise ValueError(f"SleepStraggler: argument `factor` must be > 1, got {factor!r}.")
-        self.factor = factor
-        self.clock, self.sleep = clock, sleep
-        self.slept_s = 0.0
-        self._start: float | None = None
-        self._forward_s = 0.0
-
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
-        self._start = self.clock()
-        self._forward_s = 0.0
-
-    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Any) -> None:
-        if self._start is not None:
-            self._forward_s = self.clock() - self._start
-
-    def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, idx: int
-    ) -> None:
-        delay = (self.factor - 1.0) * 3.0 * self._forward_s
-        if delay > 0:
-            self.sleep(delay)
-            self.slept_s += delay
-        self._start = None
