@@ -186,7 +186,7 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("dbs_straggler", "dbs", {}, Target("epoch_s", "<=", 0.75, "batch shares follow speed 2:1")),
     Scenario("dbs_straggler", "localsgd", {"tau": 8}),
     Scenario("decoupled_cnn", "decoupled", {}, overrides=("data.batch_size=256",)),  # K=2 stages, 1 replica
-    Scenario("grid2d_mlp", "grid2d", {}, overrides=("data.batch_size=256",)),  # 2x1 grid, 1 replica
+    Scenario("grid2d_mlp", "grid2d", {"grid": [2, 1]}, overrides=("data.batch_size=256",)),  # Pr=2, Pc=1: 1 replica
 )
 
 

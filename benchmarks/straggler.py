@@ -7,10 +7,10 @@ Two modes:
   cgroup v1 ``cpu`` hierarchy's ``cpu.cfs_quota_us``). Since every rank is pinned to one core,
   everything the rank does (compute *and* its communication threads) runs ``factor`` times
   slower, like a slower machine.
-- ``delay``: a Lightning callback built on the slowed rank by a factory ``module:attr`` called
-  as ``factory(factor=factor)`` (pluggable: e.g. the DBS straggler callback of
-  :mod:`lightning_hier.callbacks`). The default, :class:`benchmarks.delay.SleepStraggler`, sleeps
-  after every training batch in proportion to the compute it just did.
+- ``delay``: a Lightning callback, built on every rank by a factory ``module:attr`` called as
+  ``factory(ranks=[rank], factor=factor)``; it slows the listed ranks. Default: the library's
+  ``lightning_hier.callbacks.straggler:Straggler`` (from the DBS issue) when it exists, else
+  :class:`benchmarks.delay.SleepStraggler`, which follows the same protocol.
 
 This module imports no Lightning, so the runner and ``--cleanup`` stay light.
 """
@@ -18,6 +18,7 @@ This module imports no Lightning, so the runner and ``--cleanup`` stay light.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,7 +28,8 @@ from typing import Any
 from benchmarks.netns import PREFIX
 
 MODES = ("cgroup", "delay")
-DEFAULT_DELAY_CALLBACK = "benchmarks.delay:SleepStraggler"
+LIBRARY_DELAY_CALLBACK = "lightning_hier.callbacks.straggler:Straggler"
+FALLBACK_DELAY_CALLBACK = "benchmarks.delay:SleepStraggler"
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 PERIOD_US = 20_000  # short periods throttle smoothly at the time scale of one training step
 MIN_QUOTA_US = 1_000  # the kernel's minimum quota
@@ -41,13 +43,13 @@ class Straggler:
         rank: The rank that runs slower.
         factor: How many times slower (> 1).
         mode: ``'cgroup'`` or ``'delay'``.
-        callback: ``module:attr`` of the delay-mode callback factory.
+        callback: ``module:attr`` of the delay-mode callback factory (see :func:`default_delay_callback`).
     """
 
     rank: int
     factor: float
     mode: str = "cgroup"
-    callback: str = DEFAULT_DELAY_CALLBACK
+    callback: str = FALLBACK_DELAY_CALLBACK
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -136,6 +138,15 @@ def remove_stale_cgroups(root: Path = CGROUP_ROOT) -> list[str]:
             except OSError:
                 pass  # still has members: leave it
     return removed
+
+
+def default_delay_callback() -> str:
+    """The library's straggler callback when this checkout has it, else the benchmark's own."""
+    return (
+        LIBRARY_DELAY_CALLBACK
+        if importlib.util.find_spec("lightning_hier.callbacks.straggler")
+        else FALLBACK_DELAY_CALLBACK
+    )
 
 
 def load_factory(spec: str) -> Callable[..., Any]:

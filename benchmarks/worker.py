@@ -18,12 +18,12 @@ from typing import Any
 from benchmarks.straggler import load_factory
 
 
-def delay_callbacks(spec: dict[str, Any], rank: int) -> list[Any]:
-    """The delay-mode straggler callback when ``rank`` is the slow one (``spec["delay"]``)."""
+def delay_callbacks(spec: dict[str, Any]) -> list[Any]:
+    """The delay-mode straggler callback of ``spec["delay"]`` (built on every rank; it slows its ``ranks``)."""
     delay = spec.get("delay")
-    if not delay or int(delay["rank"]) != rank:
+    if not delay:
         return []
-    return [load_factory(delay["callback"])(factor=float(delay["factor"]))]
+    return [load_factory(delay["callback"])(ranks=[int(delay["rank"])], factor=float(delay["factor"]))]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("usage: python -m benchmarks.worker <spec.json>")
     spec = json.loads(Path(args[0]).read_text())
     rank = int(os.environ.get("RANK", "0"))
-    callbacks = delay_callbacks(spec, rank)
+    callbacks = delay_callbacks(spec)
     from benchmarks.rank import run_rank  # Lightning, Hydra, torch: seconds of imports
 
     result = run_rank(spec, callbacks)
