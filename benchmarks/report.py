@@ -224,11 +224,23 @@ def workload_section(workload: Workload, result: dict[str, Any], meta: dict[str,
     return "\n".join(parts)
 
 
+BUSY_LOAD_PER_CPU = 0.25  # a load average above this share of the cores marks a run as preliminary
+
+
 def meta_line(meta: dict[str, Any]) -> str:
+    """Provenance of a results document: when, what, where, with which arguments, how busy."""
     mode = "quick" if meta.get("quick") else "full"
+    load = meta["load_avg"][0]
+    busy = load > BUSY_LOAD_PER_CPU * meta["host_cpus"]
+    args = " ".join(meta.get("argv", [])) or "(defaults)"
+    line = (
+        f"_{mode} run {meta['date']}, commit `{meta['commit']}`, arguments `{args}`, {meta['host_cpus']} cores, "
+        f"load average {load:.1f} at start; torch {meta['torch']}, lightning {meta['lightning']}._"
+    )
     return (
-        f"_{mode} run {meta['date']}, commit `{meta['commit']}`, {meta['host_cpus']} cores, load average "
-        f"{meta['load_avg'][0]:.1f} at start; torch {meta['torch']}, lightning {meta['lightning']}._"
+        f"**Preliminary: the machine was busy (load {load:.1f} on {meta['host_cpus']} cores).** {line}"
+        if busy
+        else line
     )
 
 

@@ -12,6 +12,7 @@ from benchmarks.report import (
     check_target,
     compare,
     diagnosis,
+    meta_line,
     replace_between,
     summarize,
     time_to,
@@ -137,3 +138,10 @@ def test_outputs_json_markdown_and_plots(tmp_path):
     assert "| localsgd bytes_per_epoch | grawa_cnn | 0.125 | ~ 0.125 | met |" in md
     assert "| hpsgd samples_per_s | hpsgd_mlp | - | >= 1.5 | pending |" in md
     assert "Not run: hpsgd_mlp / hpsgd (not registered)." in md
+
+
+def test_runs_on_a_busy_machine_are_labelled_preliminary():
+    meta = {"date": "d", "commit": "c", "host_cpus": 2, "torch": "t", "lightning": "l", "argv": ["--epochs", "2"]}
+    quiet = meta_line({**meta, "load_avg": [0.4, 0, 0]})
+    assert quiet.startswith("_full run d") and "arguments `--epochs 2`" in quiet
+    assert meta_line({**meta, "load_avg": [4.0, 0, 0]}).startswith("**Preliminary: the machine was busy (load 4.0")
