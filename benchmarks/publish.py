@@ -73,7 +73,7 @@ def write_outputs(results: dict[str, Any], out: Path, update_readme: bool) -> No
     update_file(REPO / "README.md", "summary", "\n".join(summary))
     update_file(REPO / "benchmarks" / "README.md", "results", render(results, out, REPO / "benchmarks"))
     for recipe in RECIPES:
-        mine = [w for w in results["workloads"] if WORKLOADS[w].recipe == recipe]
+        mine = [name for name, w in WORKLOADS.items() if w.recipe == recipe]
         readme = REPO / "recipes" / recipe / "README.md"
-        if mine and readme.is_file():
+        if any(w in results["workloads"] for w in mine) and readme.is_file():
             update_file(readme, "results", render(results, out, readme.parent, mine))

@@ -219,6 +219,12 @@ def workload_section(workload: Workload, result: dict[str, Any], meta: dict[str,
         "",
         workload_table(workload, result),
     ]
+    if NO_COMM in result["runs"]:
+        parts += [
+            "",
+            f"`{NO_COMM}`: the same compute without communication (Local SGD with tau = 10^9), the throughput "
+            "limit; its accuracy is that of replicas averaged once at the end, not a baseline.",
+        ]
     if plot:
         parts += ["", f"![{workload.name}]({plot})"]
     return "\n".join(parts)
