@@ -1,14 +1,31 @@
 """lightning-hier: five distributed-training algorithms as PyTorch Lightning strategies.
 
 Importing the package registers every strategy name with Lightning, so
-``Trainer(strategy="localsgd")`` (and ``"localsgd_spawn"``, ``"localsgd_fork"``) work.
+``Trainer(strategy="hpsgd")`` (and ``"hpsgd_spawn"``, ``"hpsgd_fork"``) work.
 """
 
-from lightning_hier.strategies import STRATEGIES, HierStrategy, LocalSGDStrategy, register_all
+from lightning_hier.strategies import (
+    STRATEGIES,
+    DBSStrategy,
+    Grid2DStrategy,
+    HierStrategy,
+    HPSGDStrategy,
+    LocalSGDStrategy,
+    register_all,
+)
 from lightning_hier.topology import Topology
 
 __version__ = "0.1.0"
 
 register_all()
 
-__all__ = ["STRATEGIES", "HierStrategy", "LocalSGDStrategy", "Topology", "__version__"]
+__all__ = [
+    "STRATEGIES",
+    "DBSStrategy",
+    "Grid2DStrategy",
+    "HPSGDStrategy",
+    "HierStrategy",
+    "LocalSGDStrategy",
+    "Topology",
+    "__version__",
+]

@@ -4,8 +4,11 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_hier.strategies._base import HierStrategy
 from lightning_hier.strategies.averaging import LocalSGDStrategy
+from lightning_hier.strategies.dbs import DBSStrategy
+from lightning_hier.strategies.grid2d import Grid2DStrategy
+from lightning_hier.strategies.hpsgd import HPSGDStrategy
 
-STRATEGIES: tuple[type[HierStrategy], ...] = (LocalSGDStrategy,)
+STRATEGIES: tuple[type[HierStrategy], ...] = (LocalSGDStrategy, HPSGDStrategy, DBSStrategy, Grid2DStrategy)
 
 
 def register_all() -> None:
@@ -14,4 +17,12 @@ def register_all() -> None:
         cls.register_strategies(StrategyRegistry)
 
 
-__all__ = ["STRATEGIES", "HierStrategy", "LocalSGDStrategy", "register_all"]
+__all__ = [
+    "STRATEGIES",
+    "DBSStrategy",
+    "Grid2DStrategy",
+    "HPSGDStrategy",
+    "HierStrategy",
+    "LocalSGDStrategy",
+    "register_all",
+]

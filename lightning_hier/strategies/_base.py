@@ -62,6 +62,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 300.0
+DEFAULT_INIT_TIMEOUT_S = 600.0
 START_METHODS = ("popen", "spawn", "fork")
 BACKENDS = (None, "gloo", "nccl", "mpi")
 
@@ -72,6 +73,10 @@ class HierStrategy(ParallelStrategy):
     Args:
         timeout: Seconds (or a ``timedelta``) a collective may wait before the run fails. Finite
             by design: a hung rank fails the job after this long instead of blocking it forever.
+        init_timeout: Seconds the start-up rendezvous (the process group and its sub-groups) may
+            wait for every rank to arrive. Ranks start at different times (imports, nodes
+            scheduled seconds apart), so this is longer than ``timeout``; once the groups exist,
+            every collective uses ``timeout`` (as torchtitan separates init and train timeouts).
         start_method: ``'popen'`` re-runs the script per rank (the default; also what torchrun
             and SLURM use), ``'spawn'`` or ``'fork'`` start ranks with multiprocessing (needed
             inside notebooks, tests and Hydra multiruns).
@@ -87,6 +92,7 @@ class HierStrategy(ParallelStrategy):
     def __init__(
         self,
         timeout: float | timedelta = DEFAULT_TIMEOUT_S,
+        init_timeout: float | timedelta = DEFAULT_INIT_TIMEOUT_S,
         start_method: str = "popen",
         process_group_backend: str | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
@@ -103,9 +109,8 @@ class HierStrategy(ParallelStrategy):
             precision_plugin=precision_plugin,
         )
         owner = type(self).__name__
-        seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
-        v.check_float(owner, "timeout", seconds, low=0.0, high=7 * 24 * 3600.0, low_inclusive=False)
-        self._timeout = timedelta(seconds=float(seconds))
+        self._timeout = _check_timeout(owner, "timeout", timeout)
+        self._init_timeout = _check_timeout(owner, "init_timeout", init_timeout)
         self._start_method = v.check_choice(owner, "start_method", start_method, START_METHODS)
         self._process_group_backend = v.check_choice(owner, "process_group_backend", process_group_backend, BACKENDS)
         self._num_nodes = 1
@@ -120,6 +125,9 @@ class HierStrategy(ParallelStrategy):
     def _layout(self) -> dict[str, int]:
         """Inner grid sizes (``pipe``, ``model``) of this strategy; data parallel by default."""
         return {}
+
+    def _resolve_layout(self) -> None:
+        """Decide a layout chosen at run time (each rank, default group up, before groups are built)."""
 
     @property
     def topology(self) -> Topology:
@@ -193,11 +201,20 @@ class HierStrategy(ParallelStrategy):
                 self.process_group_backend,
                 rank=self.global_rank,
                 world_size=self.world_size,
-                timeout=self._timeout,
+                timeout=self._init_timeout,
             )
         if self._groups is None:
-            self._groups = self.topology.build(self.global_rank, timeout=self._timeout)
+            self._resolve_layout()
+            self._groups = self.topology.build(self.global_rank, timeout=self._init_timeout)
+            self._set_collective_timeout()
         self._start_failure_board()
+
+    def _set_collective_timeout(self) -> None:
+        """Switch every group from the start-up ``init_timeout`` to the per-collective ``timeout``."""
+        groups = self.groups
+        unique = {id(g): g for g in (dist.group.WORLD, groups.data, groups.pipe, groups.model, groups.node) if g}
+        for group in unique.values():
+            dist.distributed_c10d._set_pg_timeout(self._timeout, group)
 
     def _start_failure_board(self) -> None:
         if self._failures is None:
@@ -229,10 +246,15 @@ class HierStrategy(ParallelStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
             self._setup_algorithm(trainer)
             if self._restored is not None:
-                self._load_algorithm_state(self._restored.get("algorithm", {}))
-                self.comm_stats.load_state_dict(self._restored["comm"])
-                # last: the RNG must continue exactly where the saved run was
-                restore_rng(self._restored["rng"])
+                self._apply_restored_state()
+
+    def _apply_restored_state(self) -> None:
+        """Apply this rank's saved algorithm state, accounting and RNG (at the end of ``setup``)."""
+        assert self._restored is not None
+        self._load_algorithm_state(self._restored.get("algorithm", {}))
+        self.comm_stats.load_state_dict(self._restored["comm"])
+        # last: the RNG must continue exactly where the saved run was
+        restore_rng(self._restored["rng"])
 
     def model_to_device(self) -> None:
         assert self.model is not None
@@ -424,6 +446,12 @@ class _ReportingLauncher(_MultiProcessingLauncher):
         except BaseException as exc:
             self._strategy.on_exception(exc)
             raise
+
+
+def _check_timeout(owner: str, name: str, value: float | timedelta) -> timedelta:
+    seconds = value.total_seconds() if isinstance(value, timedelta) else value
+    v.check_float(owner, name, seconds, low=0.0, high=7 * 24 * 3600.0, low_inclusive=False)
+    return timedelta(seconds=float(seconds))
 
 
 def _first_line(exc: BaseException) -> str:

@@ -7,13 +7,11 @@ ICLR 2020). The algorithm lives in :mod:`lightning_hier.algorithms.averaging`.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from lightning_hier import _validate as v
 from lightning_hier.algorithms.averaging import LocalSGD, float_buffers
-from lightning_hier.strategies._base import HierStrategy
+from lightning_hier.strategies._algorithm import AlgorithmStrategy
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -23,7 +21,7 @@ if TYPE_CHECKING:
     from torch.optim import Optimizer
 
 
-class LocalSGDStrategy(HierStrategy):
+class LocalSGDStrategy(AlgorithmStrategy[LocalSGD]):
     """Local SGD: replicas train independently and are averaged every ``tau`` steps.
 
     Args:
@@ -47,7 +45,7 @@ class LocalSGDStrategy(HierStrategy):
         self.tau = v.check_int(owner, "tau", tau, minimum=1)
         self.sync_buffers = v.check_bool(owner, "sync_buffers", sync_buffers)
         self.bucket_size_mb = v.check_float(owner, "bucket_size_mb", bucket_size_mb, low=0.0, low_inclusive=False)
-        self.algorithm: LocalSGD | None = None
+        self.algorithm = None
 
     def _setup_algorithm(self, trainer: pl.Trainer) -> None:
         self._require_single_optimizer()
@@ -69,22 +67,3 @@ class LocalSGDStrategy(HierStrategy):
                 {"comm/rounds": float(self.algorithm.schedule.rounds), "comm/bytes": float(self.comm_stats.bytes)}
             )
         return output
-
-    def _finalize_algorithm(self) -> None:
-        if self.algorithm is not None:
-            self.algorithm.finalize()
-
-    @contextmanager
-    def _consensus(self) -> Iterator[None]:
-        if self.algorithm is None:
-            yield
-        else:
-            with self.algorithm.consensus():
-                yield
-
-    def _algorithm_state(self) -> dict[str, Any]:
-        return self.algorithm.state_dict() if self.algorithm is not None else {}
-
-    def _load_algorithm_state(self, state: dict[str, Any]) -> None:
-        if self.algorithm is not None and state:
-            self.algorithm.load_state_dict(state)

@@ -24,6 +24,7 @@ def test_default_run_trains_digits_on_two_processes(tmp_path):
     proc = _train(f"hydra.run.dir={tmp_path}/run", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
+    assert _summary_value(out, "strategy") == "hpsgd"
     assert _summary_value(out, "world size").startswith("2 ")
     assert _summary_value(out, "epochs") == "10"
     assert float(_summary_value(out, "val accuracy")) >= 0.90
@@ -53,7 +54,7 @@ def test_multirun_sweep_runs_each_job_in_its_own_directory(tmp_path):
 
 
 def test_bad_strategy_argument_fails_before_training(tmp_path):
-    proc = _train("strategy.tau=0", f"hydra.run.dir={tmp_path}/run", cwd=tmp_path)
+    proc = _train("strategy.window=0", f"hydra.run.dir={tmp_path}/run", cwd=tmp_path)
     assert proc.returncode != 0
-    assert "argument `tau` must be an integer >= 1, got 0" in proc.stderr
+    assert "argument `window` must be an integer >= 1, got 0" in proc.stderr
     assert "Epoch 0" not in proc.stderr

@@ -109,3 +109,26 @@ def test_popen_launcher_fails_fast_names_the_rank_and_leaves_no_orphans(mode, tm
         p for p in pids if Path(f"/proc/{p}").exists() and "Z" not in Path(f"/proc/{p}/stat").read_text().split()[2]
     ]
     assert alive == []
+
+
+def test_a_rank_that_starts_late_joins_within_init_timeout():
+    """Start-up waits up to init_timeout; only collectives after start-up use the short timeout."""
+
+    def late_start() -> int:
+        if os.environ["RANK"] == "1":
+            time.sleep(6)  # longer than `timeout`, shorter than `init_timeout`
+        data = DataLoader(TensorDataset(torch.randn(16, 4), torch.randint(0, 2, (16,))), batch_size=4)
+        trainer = pl.Trainer(
+            strategy=LocalSGDStrategy(tau=1, timeout=3, init_timeout=60),
+            accelerator="cpu",
+            devices=2,
+            max_epochs=1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        trainer.fit(Failing("none"), data)
+        return trainer.global_step
+
+    assert run_workers(late_start, devices=2, timeout=90) == [2, 2]  # 16 samples, 2 ranks, batch 4

@@ -67,6 +67,7 @@ def test_two_nodes_by_two_processes_layout():
         ({"tau": 2.5}, "`tau` must be an integer"),
         ({"timeout": 0}, r"`timeout` must be a number in \(0.0"),
         ({"timeout": float("inf")}, "`timeout`"),
+        ({"init_timeout": -1}, r"`init_timeout` must be a number in \(0.0"),
         ({"start_method": "threads"}, r"`start_method` must be one of 'popen', 'spawn', 'fork', got 'threads'"),
         ({"process_group_backend": "ucc"}, "`process_group_backend`"),
         ({"bucket_size_mb": 0}, "`bucket_size_mb`"),

@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "lightning_hier"
-PURE = ["comm", "algorithms", "topology.py", "rng.py", "_validate.py"]
-HYDRA_FREE = ["comm", "algorithms", "strategies", "callbacks", "data", "models", "layers", "testing"]
+PURE = ["comm", "algorithms", "layers", "planner", "topology.py", "rng.py", "_validate.py"]
+HYDRA_FREE = ["comm", "algorithms", "strategies", "callbacks", "data", "models", "layers", "planner", "testing"]
 
 
 def _imports(path: Path) -> set[str]:

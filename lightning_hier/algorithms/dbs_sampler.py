@@ -1,0 +1,210 @@
+"""The data side of DBS: a fixed global batch split into per-rank batches that may change at any step.
+
+Every step of an epoch consumes one *global batch* of ``B`` consecutive indices of the epoch's
+permutation (the same permutation on every rank: ``randperm(N)`` seeded with ``seed + epoch``, as
+``DistributedSampler`` draws it). Rank ``r`` takes the slice ``[offset_r, offset_r + b_r)`` of it,
+where ``b`` is the current :class:`Allocation`. Hence:
+
+- every rank yields exactly ``N // B`` batches per epoch, whatever the split (unequal batch counts
+  would desynchronise the collectives and hang the job);
+- over an epoch a rank's shard is the union of its slices, so its size is proportional to its
+  batch size (:func:`~lightning_hier.algorithms.dbs.shard_sizes` for a constant split);
+- the global batch of step ``k`` is the same set of samples as with ``DistributedSampler`` and equal
+  per-rank batches of ``B / W`` (DDP), so DBS and DDP see the same data step by step;
+- the split can change between any two steps without reloading the DataLoader.
+
+A new split must only affect batches that no rank has drawn yet (DataLoaders and Lightning draw
+batches ahead of training). :meth:`Allocation.update` takes the index from which the new split
+applies; :meth:`~lightning_hier.algorithms.dbs.DynamicBatchSize.rebalance` sets it to the largest
+number of batches any rank has drawn in this epoch.
+
+Pure torch: usable with a plain training loop (see :mod:`lightning_hier.algorithms.dbs`).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    Sampler,
+    SequentialSampler,
+)
+
+
+class Allocation:
+    """The per-rank batch sizes of one fixed global batch: shared by the sampler and the algorithm.
+
+    Args:
+        sizes: Batch size of every rank of the data-parallel group (sums to the global batch).
+        rank: This process's index in the data-parallel group.
+    """
+
+    def __init__(self, sizes: Sequence[int], rank: int) -> None:
+        if not sizes or any(int(b) < 1 for b in sizes):
+            raise ValueError(f"Allocation: every batch size must be >= 1, got {list(sizes)}.")
+        if not 0 <= rank < len(sizes):
+            raise ValueError(f"Allocation: rank {rank} out of range [0, {len(sizes)}).")
+        self.rank = rank
+        self.global_batch = sum(int(b) for b in sizes)
+        self.sizes: list[int] = [int(b) for b in sizes]
+        self.drawn = 0
+        self._segments: list[tuple[int, list[int]]] = [(0, self.sizes)]
+        self._pending: deque[int] = deque()
+
+    @property
+    def world(self) -> int:
+        return len(self.sizes)
+
+    def sizes_at(self, index: int) -> list[int]:
+        """The split used for batch ``index`` of the current epoch."""
+        chosen = self._segments[0][1]
+        for start, sizes in self._segments:
+            if start <= index:
+                chosen = sizes
+        return chosen
+
+    def begin_epoch(self) -> None:
+        """A new pass over the data starts with the newest split; batches drawn ahead are discarded."""
+        self.drawn = 0
+        self._segments = [(0, self.sizes)]
+        self._pending.clear()
+
+    def draw(self) -> tuple[int, int]:
+        """Offset and size of this rank's slice of the next global batch (called by the sampler)."""
+        sizes = self.sizes_at(self.drawn)
+        self.drawn += 1
+        self._pending.append(sizes[self.rank])
+        return sum(sizes[: self.rank]), sizes[self.rank]
+
+    def consume(self) -> int:
+        """Size of the batch the training loop is about to use (batches are consumed in drawn order)."""
+        if not self._pending:
+            raise RuntimeError(
+                "DBS: a training batch arrived that DynamicBatchSampler did not draw. The training "
+                "DataLoader must use the sampler installed by the strategy (do not wrap or replace it)."
+            )
+        return self._pending.popleft()
+
+    def update(self, sizes: Sequence[int], effective_from: int) -> None:
+        """Use ``sizes`` for batches ``effective_from, effective_from + 1, ...`` of this epoch and later."""
+        new = [int(b) for b in sizes]
+        if len(new) != self.world or sum(new) != self.global_batch or min(new) < 1:
+            raise ValueError(f"Allocation: {new} is not a split of {self.global_batch} over {self.world} ranks.")
+        if effective_from < self.drawn:
+            raise ValueError(f"Allocation: batch {effective_from} was already drawn ({self.drawn} drawn so far).")
+        self._segments.append((effective_from, new))
+        self.sizes = new
+
+
+class DynamicBatchSampler(Sampler[list[int]]):
+    """Batch sampler of one rank: its slice of every global batch, sized by the :class:`Allocation`.
+
+    Use it as ``DataLoader(dataset, batch_sampler=...)`` with any map-style dataset. Call
+    :meth:`set_epoch` at every epoch (Lightning does, through the :attr:`sampler` alias) so each
+    epoch has a new order.
+
+    Args:
+        num_samples: Length of the dataset.
+        allocation: The shared per-rank batch sizes.
+        shuffle: Visit the data in a new random order every epoch (else in index order).
+        seed: Seed of the permutation; must be the same on every rank.
+    """
+
+    def __init__(self, num_samples: int, allocation: Allocation, shuffle: bool = True, seed: int = 0) -> None:
+        if num_samples < allocation.global_batch:
+            raise ValueError(
+                f"DynamicBatchSampler: the dataset has {num_samples} samples, fewer than one global batch of "
+                f"{allocation.global_batch}; lower `global_batch_size`."
+            )
+        self.num_samples = num_samples
+        self.allocation = allocation
+        self.shuffle = shuffle
+        self.seed = seed
+        self.epoch = 0
+
+    @property
+    def sampler(self) -> DynamicBatchSampler:
+        """Alias of ``self``: Lightning calls ``set_epoch`` on ``dataloader.batch_sampler.sampler``."""
+        return self
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        # the last incomplete global batch is dropped: every step has exactly B samples
+        return self.num_samples // self.allocation.global_batch
+
+    def __iter__(self) -> Iterator[list[int]]:
+        if self.shuffle:
+            g = torch.Generator().manual_seed(self.seed + self.epoch)
+            order = torch.randperm(self.num_samples, generator=g)
+        else:
+            order = torch.arange(self.num_samples)
+        batch = self.allocation.global_batch
+        self.allocation.begin_epoch()
+        for step in range(len(self)):
+            offset, size = self.allocation.draw()
+            start = step * batch + offset
+            yield order[start : start + size].tolist()
+
+
+def dynamic_batch_loader(loader: DataLoader[Any], allocation: Allocation, seed: int) -> DataLoader[Any]:
+    """The same DataLoader, batched by a :class:`DynamicBatchSampler` over the same dataset.
+
+    Workers, ``collate_fn``, pinning and the other loader options are kept; the loader's
+    ``batch_size`` and ``drop_last`` are replaced by the allocation (incomplete global batches are
+    dropped). Shuffling follows the loader's sampler: ``DistributedSampler`` (what Lightning injects)
+    keeps its ``shuffle`` and ``seed``; ``RandomSampler`` shuffles with ``seed``; ``SequentialSampler``
+    does not shuffle.
+
+    Raises:
+        TypeError: The dataset is iterable, or the loader has a custom sampler or batch sampler
+            (DBS must choose every batch itself).
+    """
+    if isinstance(loader.batch_sampler, DynamicBatchSampler):
+        return loader
+    if isinstance(loader.dataset, IterableDataset):
+        raise TypeError("DBS needs a map-style dataset (with __getitem__ and __len__), got an IterableDataset.")
+    shuffle, seed = _sampling_of(loader, seed)
+    sampler = DynamicBatchSampler(len(loader.dataset), allocation, shuffle=shuffle, seed=seed)  # type: ignore[arg-type]
+    return DataLoader(
+        loader.dataset,
+        batch_sampler=sampler,
+        num_workers=loader.num_workers,
+        collate_fn=loader.collate_fn,
+        pin_memory=loader.pin_memory,
+        timeout=loader.timeout,
+        worker_init_fn=loader.worker_init_fn,
+        multiprocessing_context=loader.multiprocessing_context,
+        generator=loader.generator,
+        prefetch_factor=loader.prefetch_factor,
+        persistent_workers=loader.persistent_workers,
+        pin_memory_device=loader.pin_memory_device,
+        in_order=loader.in_order,
+    )
+
+
+def _sampling_of(loader: DataLoader[Any], seed: int) -> tuple[bool, int]:
+    """``(shuffle, seed)`` of an ordinary loader; a clear error for samplers DBS cannot reproduce."""
+    custom = (
+        "DBS chooses every rank's batches itself, so it replaces the training DataLoader's sampler; "
+        "it cannot keep {}. Use an ordinary DataLoader(dataset, batch_size=..., shuffle=...)."
+    )
+    if type(loader.batch_sampler) is not BatchSampler:
+        raise TypeError(custom.format(f"the custom batch sampler {type(loader.batch_sampler).__name__}"))
+    sampler = loader.sampler
+    if type(sampler) is DistributedSampler:
+        return bool(sampler.shuffle), int(sampler.seed)
+    if type(sampler) is SequentialSampler:
+        return False, seed
+    if type(sampler) is RandomSampler and not sampler.replacement and sampler._num_samples is None:
+        return True, seed
+    raise TypeError(custom.format(f"the sampler {type(sampler).__name__}"))

@@ -1,0 +1,223 @@
+"""Lightning adapter of DBS, performance-aware dynamic batch size (Ji et al. 2019; Ye et al. 2020).
+
+:class:`DBSStrategy` (registered as ``dbs``, ``dbs_spawn``, ``dbs_fork``). The algorithm lives in
+:mod:`lightning_hier.algorithms.dbs`, the batch sampler in :mod:`lightning_hier.algorithms.dbs_sampler`.
+
+How it plugs into Lightning:
+
+- **Data.** In ``process_dataloader`` (training stage only) the strategy rebuilds the training
+  DataLoader around a :class:`~lightning_hier.algorithms.dbs_sampler.DynamicBatchSampler` over the
+  same dataset: an ordinary map-style dataset and DataLoader are all it needs, with Lightning's
+  default ``use_distributed_sampler=True`` or without it. Validation and test loaders are left to
+  Lightning's ``DistributedSampler``.
+- **Gradients.** A wrapped closure weights each rank's gradient by ``b_r / B`` after backward (and
+  after all accumulated micro-batches), before gradient clipping, and sums it over the ranks.
+- **Throughput.** Timed from ``on_train_batch_start`` of a step's first micro-batch to the end of
+  its optimizer step, minus the time blocked in collectives.
+- **Rebalance.** Every ``rebalance_every`` optimizer steps (steps, not epochs: it reacts within an
+  epoch and, since the number of steps per epoch never changes, needs no dataloader reloading),
+  triggered by :class:`~lightning_hier.callbacks.DBSCallback`, which the strategy adds when the
+  Trainer has none.
+
+Limits: one training DataLoader (a torch ``DataLoader`` over a map-style dataset); a
+``training_step`` that takes ``dataloader_iter`` is not supported; BatchNorm statistics are computed
+per local batch, as with DDP (then averaged with the batch weights, ``sync_buffers``).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+from lightning.pytorch.trainer.states import RunningStage
+from torch.utils.data import DataLoader
+
+from lightning_hier import _validate as v
+from lightning_hier.algorithms.averaging import float_buffers
+from lightning_hier.algorithms.dbs import TIMERS, DynamicBatchSize, check_split
+from lightning_hier.algorithms.dbs_sampler import dynamic_batch_loader
+from lightning_hier.callbacks.dbs import DBSCallback
+from lightning_hier.strategies._base import HierStrategy
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import Callback
+    from torch import nn
+    from torch.optim import Optimizer
+
+
+class DBSStrategy(HierStrategy):
+    """Dynamic batch size: a fixed global batch split over the ranks in proportion to their speed.
+
+    Every rank keeps the same model (synchronous SGD); a slow rank gets a smaller share of each
+    global batch, so all ranks finish their steps at about the same time. With any split, a step
+    equals single-process SGD on the whole global batch (gradients are weighted by ``b_r / B``), and
+    the global batch of each step holds the same samples as under DDP with ``B / W`` per rank.
+
+    Args:
+        global_batch_size: ``B``, samples per step over all ranks. ``None``: the training
+            DataLoader's ``batch_size`` times the number of ranks (what DDP would use). When set, the
+            loader's ``batch_size`` is ignored. The last incomplete global batch of an epoch is
+            dropped. With gradient accumulation, ``B`` is per micro-batch.
+        rebalance_every: Optimizer steps between rebalances.
+        ema: Smoothing of each rank's throughput across rebalance periods,
+            ``v = ema * v + (1 - ema) * v_period``, in ``[0, 1)``; 0 uses the last period only.
+        min_batch_size: Smallest per-rank batch (>= 1).
+        max_batch_size: Largest per-rank batch, e.g. the memory limit (``None``: no bound but ``B``).
+        warmup_steps: Optimizer steps at the start of training that are not measured (one-off
+            costs); the first rebalance is after ``warmup_steps + rebalance_every`` steps.
+        timer: How compute time is measured: ``'wall'`` (elapsed time minus the time blocked in
+            collectives: what a step really costs; the default) or ``'cpu'`` (the process's CPU time:
+            on a shared CPU machine, other processes' load is then not taken for slowness; CPU
+            training only, e.g. with :class:`~lightning_hier.callbacks.Straggler` in ``'spin'`` mode).
+        sync_buffers: Average floating-point buffers (BatchNorm statistics) with the same weights
+            at every step, so every rank holds the same model.
+        bucket_size_mb: Size bound of the flat gradient buffers reduced in one call (MiB).
+        **kwargs: See :class:`~lightning_hier.strategies._base.HierStrategy` (``timeout``,
+            ``start_method``, ...).
+
+    Example:
+        >>> import lightning.pytorch as pl
+        >>> import lightning_hier  # registers the names
+        >>> from lightning_hier import DBSStrategy
+        >>> strategy = DBSStrategy(global_batch_size=256, rebalance_every=20, timeout=120)
+        >>> trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=2)  # doctest: +SKIP
+    """
+
+    strategy_name = "dbs"
+
+    def __init__(
+        self,
+        global_batch_size: int | None = None,
+        rebalance_every: int = 20,
+        ema: float = 0.5,
+        min_batch_size: int = 1,
+        max_batch_size: int | None = None,
+        warmup_steps: int = 5,
+        timer: str = "wall",
+        sync_buffers: bool = True,
+        bucket_size_mb: float = 25.0,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        owner = type(self).__name__
+        self.global_batch_size = (
+            None if global_batch_size is None else v.check_int(owner, "global_batch_size", global_batch_size, minimum=1)
+        )
+        self.rebalance_every = v.check_int(owner, "rebalance_every", rebalance_every, minimum=1)
+        self.ema = v.check_float(owner, "ema", ema, 0.0, 1.0, high_inclusive=False)
+        self.min_batch_size = v.check_int(owner, "min_batch_size", min_batch_size, minimum=1)
+        self.max_batch_size = (
+            None
+            if max_batch_size is None
+            else v.check_int(owner, "max_batch_size", max_batch_size, minimum=self.min_batch_size)
+        )
+        if self.global_batch_size is not None:
+            v.check_int(owner, "global_batch_size", self.global_batch_size, minimum=self.min_batch_size)
+        self.warmup_steps = v.check_int(owner, "warmup_steps", warmup_steps, minimum=0)
+        self.timer = v.check_choice(owner, "timer", timer, TIMERS)
+        self.sync_buffers = v.check_bool(owner, "sync_buffers", sync_buffers)
+        self.bucket_size_mb = v.check_float(owner, "bucket_size_mb", bucket_size_mb, low=0.0, low_inclusive=False)
+        self.algorithm: DynamicBatchSize | None = None
+
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        if self.global_batch_size is not None:  # checked in the main process, before any rank starts
+            self._check_split(self.global_batch_size)
+
+    def _check_split(self, global_batch: int, source: str = "") -> None:
+        try:
+            check_split(global_batch, self.topology.data, self.min_batch_size, self.max_batch_size)
+        except ValueError as err:
+            given = source or f"argument `global_batch_size`={global_batch}"
+            raise ValueError(f"{type(self).__name__}: {given}: {err}") from None
+
+    # ------------------------------------------------------------------ set-up
+    def _setup_algorithm(self, trainer: pl.Trainer) -> None:
+        self._require_single_optimizer()
+        module: nn.Module = self.lightning_module  # type: ignore[assignment]
+        self.algorithm = DynamicBatchSize(
+            module.parameters(),
+            group=self.groups.data,
+            rebalance_every=self.rebalance_every,
+            ema=self.ema,
+            min_batch_size=self.min_batch_size,
+            max_batch_size=self.max_batch_size,
+            warmup_steps=self.warmup_steps,
+            timer=self.timer,
+            buffers=float_buffers(module) if self.sync_buffers else (),
+            bucket_bytes=int(self.bucket_size_mb * 2**20),
+            stats=self.comm_stats,
+        )
+        callbacks: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]
+        if not any(isinstance(c, DBSCallback) for c in callbacks):
+            # first, so checkpoints saved at the end of a batch already hold that step's rebalance
+            callbacks.insert(0, DBSCallback())
+
+    def process_dataloader(self, dataloader: object) -> object:
+        """Training loader: batches from the strategy's allocation; other stages: unchanged."""
+        module = self.lightning_module
+        stage = module.trainer.state.stage if module is not None and module._trainer is not None else None
+        if stage != RunningStage.TRAINING or self.algorithm is None:
+            return dataloader
+        if not isinstance(dataloader, DataLoader):
+            raise TypeError(
+                f"{type(self).__name__}: the training data must be a torch DataLoader over a map-style dataset, "
+                f"got {type(dataloader).__name__}."
+            )
+        global_batch, source = self.global_batch_size, ""
+        if global_batch is None:
+            if dataloader.batch_size is None:
+                raise ValueError(
+                    f"{type(self).__name__}: the training DataLoader has no batch_size (custom batch sampler); "
+                    "set `global_batch_size`."
+                )
+            global_batch = dataloader.batch_size * self.topology.data
+            source = (
+                f"`global_batch_size`=None gives the DataLoader's batch_size {dataloader.batch_size} x "
+                f"{self.topology.data} ranks = {global_batch}"
+            )
+        self._check_split(global_batch, source)
+        allocation = self.algorithm.bind(global_batch)
+        return dynamic_batch_loader(dataloader, allocation, seed=_global_seed())
+
+    # ------------------------------------------------------------------ per step
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self.algorithm is not None:
+            self.algorithm.begin_micro_batch()
+
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        algorithm = self.algorithm
+        assert algorithm is not None
+
+        def closure_and_reduce() -> Any:
+            output = closure()
+            algorithm.reduce_gradients()
+            return output
+
+        output = super().optimizer_step(optimizer, closure_and_reduce, model, **kwargs)
+        algorithm.end_step()
+        return output
+
+    def rebalance_if_due(self) -> dict[str, Any] | None:
+        """Rebalance when a period ended (called by :class:`DBSCallback` after every batch); the report."""
+        if self.algorithm is None or not self.algorithm.due():
+            return None
+        module = self.lightning_module
+        align = module.trainer.accumulate_grad_batches if module is not None and module._trainer else 1
+        return self.algorithm.rebalance(align=align)
+
+    # ------------------------------------------------------------------ checkpoints
+    def _algorithm_state(self) -> dict[str, Any]:
+        return self.algorithm.state_dict() if self.algorithm is not None else {}
+
+    def _load_algorithm_state(self, state: dict[str, Any]) -> None:
+        if self.algorithm is not None and state:
+            self.algorithm.load_state_dict(state)
+
+
+def _global_seed() -> int:
+    # the seed Lightning gives its DistributedSampler: the same on every rank (seed_everything sets it)
+    return int(os.environ.get("PL_GLOBAL_SEED", 0))

@@ -1,0 +1,307 @@
+"""Lightning adapter of the integrated model x batch x domain grid.
+
+:class:`Grid2DStrategy` (registered as ``grid2d``, ``grid2d_spawn``, ``grid2d_fork``): Gholami,
+Azad, Jin, Keutzer, Buluc, "Integrated Model, Batch and Domain Parallelism in Training Neural
+Networks", SPAA 2018, arXiv 1712.04432. The layers live in :mod:`lightning_hier.layers`, the cost
+model and grid chooser in :mod:`lightning_hier.planner`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import Tensor
+
+from lightning_hier import _validate as v
+from lightning_hier.algorithms.averaging import float_buffers
+from lightning_hier.comm import all_reduce_mean_, broadcast_, broadcast_object
+from lightning_hier.layers import (
+    GradientReducer,
+    GridCommStats,
+    GridContext,
+    full_state_dict,
+    is_grid_model,
+    load_full_state_dict,
+    to_grid,
+    trace_shapes,
+)
+from lightning_hier.planner import Link, Links, best_grid, format_table, measure_links, model_layers, plan_grids
+from lightning_hier.rng import capture_rng, restore_rng
+from lightning_hier.strategies import _checkpoint as ckpt
+from lightning_hier.strategies._base import HierStrategy, _ReportingLauncher
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from lightning.fabric.utilities.types import _PATH
+    from torch.optim import Optimizer
+
+log = logging.getLogger(__name__)
+
+
+class Grid2DStrategy(HierStrategy):
+    """Integrated model x batch x domain parallelism on a Pr x Pc grid of ranks (rank = c * Pr + r).
+
+    At set-up every rank takes rank 0's model and converts it in place
+    (:func:`lightning_hier.layers.to_grid`): Linear layers are sharded by output features over the
+    MODEL group (size Pr), convolutions, BatchNorm and pooling run on slabs of image rows with halo
+    exchanges, and the slabs are gathered before the first Flatten / global pooling. Data is
+    sharded over the BATCH group (size Pc) only: every rank of a MODEL group sees the same batch,
+    so the DataLoader's ``batch_size`` is the batch of one MODEL group and the global batch is
+    ``batch_size * Pc``. After backward, gradients are reduced by parameter kind (sharded and
+    replicated: mean over BATCH; slab-partial: sum over MODEL, then mean over BATCH).
+
+    Args:
+        grid: ``(Pr, Pc)`` with ``Pr * Pc`` = number of processes, or ``'auto'``: every candidate
+            is costed by :func:`lightning_hier.planner.best_grid` for this model, input shape and
+            DataLoader batch size (found with ``lightning_getattr``: ``batch_size`` and
+            ``input_shape`` on the module, its hparams or the datamodule, or
+            ``example_input_array``), choosing the least communication time per sample.
+        alpha: Seconds per message for ``'auto'``; ``None`` measures it on the live groups (then
+            the choice may differ between runs: give both for a reproducible layout).
+        beta: Seconds per word for ``'auto'``; ``None`` measures it.
+        max_model: Largest Pr ``'auto'`` may choose (``None``: any).
+        **kwargs: See :class:`~lightning_hier.strategies._base.HierStrategy` (``timeout``,
+            ``start_method``, ...).
+
+    Requirements and limits (checked with a clear error): one optimizer, element-wise (SGD, Adam,
+    ...: layer-wise norms as in LARS would see only a shard); no gradient clipping by norm (value
+    clipping is fine). After ``fit`` the module stays in grid form; the checkpoint's
+    ``state_dict`` and the weights returned to the main process by the spawn/fork launchers are
+    the ordinary network's (gathered). BatchNorm running statistics (per batch block) are
+    averaged over BATCH for validation, saving and at the end of fit.
+
+    Example:
+        >>> import lightning.pytorch as pl
+        >>> import lightning_hier  # registers the names
+        >>> trainer = pl.Trainer(strategy=Grid2DStrategy(grid=(2, 2)), accelerator="cpu", devices=4)  # doctest: +SKIP
+    """
+
+    strategy_name = "grid2d"
+
+    def __init__(
+        self,
+        grid: Sequence[int] | str = "auto",
+        alpha: float | None = None,
+        beta: float | None = None,
+        max_model: int | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        owner = type(self).__name__
+        self._grid = _check_grid(owner, grid)
+        self.alpha = None if alpha is None else v.check_float(owner, "alpha", alpha, low=0.0)
+        self.beta = None if beta is None else v.check_float(owner, "beta", beta, low=0.0)
+        if (alpha is None) != (beta is None):
+            raise ValueError(
+                f"{owner}: give both `alpha` and `beta`, or neither (measure), got {alpha!r} and {beta!r}."
+            )
+        self.max_model = None if max_model is None else v.check_int(owner, "max_model", max_model, minimum=1)
+        self.grid_stats = GridCommStats()
+        self.comm_stats = self.grid_stats
+        self.grid_context: GridContext | None = None
+        self.reducer: GradientReducer | None = None
+
+    # ------------------------------------------------------------------ layout
+    @property
+    def grid(self) -> tuple[int, int] | None:
+        """``(Pr, Pc)``; ``None`` while ``'auto'`` is undecided (before the processes start)."""
+        return self._grid
+
+    def _layout(self) -> dict[str, int]:
+        if self._grid is None:
+            return {}  # 'auto': decided in each rank once the model is known
+        pr, pc = self._grid
+        world = self.num_nodes * self.num_processes
+        if world and pr * pc != world:
+            raise ValueError(
+                f"{type(self).__name__}: grid=({pr}, {pc}) has {pr * pc} ranks, but the Trainer runs {world} "
+                f"processes (devices x num_nodes); give a grid with Pr * Pc = {world}, or grid='auto'."
+            )
+        return {"model": pr}
+
+    def _resolve_layout(self) -> None:
+        if self._grid is not None:
+            return
+        if self.world_size == 1:
+            self._grid = (1, 1)
+            return
+        module = self.lightning_module
+        batch, shape = _lookup(module, "batch_size"), _input_shape(module)
+        if module is None or batch is None or shape is None:  # before any process group work: fail clearly
+            raise ValueError(
+                f"{type(self).__name__}(grid='auto') needs the DataLoader batch size and the input shape: set "
+                "`batch_size` and `input_shape` on the LightningModule or its datamodule (or `example_input_array`), "
+                "or give grid=(Pr, Pc)."
+            )
+        links: Link | Callable[[int, int], Links]
+        if self.alpha is None or self.beta is None:
+            links = measure_links(self.num_nodes)
+        else:
+            links = Link(self.alpha, self.beta)
+        try:
+            layers = model_layers(module, shape)
+        except Exception as err:
+            raise ValueError(
+                f"{type(self).__name__}(grid='auto') traces the model on one zero sample of shape {shape}, and its "
+                f"forward failed ({type(err).__name__}: {err}); give grid=(Pr, Pc)."
+            ) from err
+        kwargs: dict[str, Any] = {"links": links, "batch_scope": "replica", "max_model": self.max_model}
+        plan = best_grid(layers, int(batch), self.world_size, **kwargs)
+        pr = int(broadcast_object(plan.pr, 0, dist.group.WORLD))  # measured links may differ per rank
+        self._grid = (pr, self.world_size // pr)
+        if self.global_rank == 0:
+            table = format_table(plan_grids(layers, int(batch), self.world_size, **kwargs))
+            rank_zero_info(f"grid2d: grid='auto' chose Pr x Pc = {pr} x {self.world_size // pr}\n{table}")
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self.grid_context = GridContext.from_groups(self.groups, self.grid_stats)
+
+    # ------------------------------------------------------------------ model set-up
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # the per-rank states are of the grid model, which exists only after setup
+
+    def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        module = self.lightning_module
+        assert module is not None and self.grid_context is not None
+        if not is_grid_model(module):
+            with torch.no_grad():  # every rank shards the same (rank 0's) network
+                broadcast_([t.data for t in [*module.parameters(), *module.buffers()]], 0, dist.group.WORLD)
+            to_grid(module, self.grid_context, _example(module))
+        return model
+
+    def _sync_initial_state(self) -> None:
+        # weights were broadcast before sharding; the RNG must agree inside each MODEL group so that
+        # dropout masks and augmentation match on ranks that compute the same activations
+        g = self.grid_context
+        if g is not None and g.model_group is not None:
+            restore_rng(broadcast_object(capture_rng(), g.model_ranks[0], g.model_group))
+
+    def _setup_algorithm(self, trainer: pl.Trainer) -> None:
+        self._require_single_optimizer()
+        if trainer.gradient_clip_val and trainer.gradient_clip_algorithm != "value":
+            raise NotImplementedError(
+                f"{type(self).__name__}: gradient clipping by norm would use each rank's shard norm; use "
+                "gradient_clip_algorithm='value', or no clipping."
+            )
+        assert self.lightning_module is not None and self.grid_context is not None
+        self.reducer = GradientReducer(self.lightning_module, self.grid_context)
+
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        reducer = self.reducer
+        assert reducer is not None
+
+        def backward_and_reduce() -> Any:
+            out = closure()
+            reducer.reduce()  # after backward, before clipping and the step
+            return out
+
+        output = super().optimizer_step(optimizer, backward_and_reduce, model, **kwargs)
+        self._log({"comm/wire_bytes": self.grid_stats.wire_bytes})
+        return output
+
+    # ------------------------------------------------------------------ consensus and checkpoints
+    @contextmanager
+    def _consensus(self) -> Iterator[None]:
+        buffers = self._block_buffers()
+        saved = [b.clone() for b in buffers]
+        self._average_buffers(buffers)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for b, s in zip(buffers, saved, strict=True):
+                    b.copy_(s)
+
+    def _finalize_algorithm(self) -> None:
+        self._average_buffers(self._block_buffers())
+
+    def _block_buffers(self) -> list[Tensor]:
+        g, module = self.grid_context, self.lightning_module
+        return float_buffers(module) if g is not None and g.batch_group is not None and module is not None else []
+
+    def _average_buffers(self, buffers: list[Tensor]) -> None:
+        if buffers and self.grid_context is not None:
+            with torch.no_grad():
+                all_reduce_mean_(buffers, self.grid_context.batch_group, self.comm_stats)
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The ordinary network's state (sharded weights gathered): loads into the unsharded model."""
+        assert self.lightning_module is not None
+        with self._consensus():
+            return ckpt.detach_state(full_state_dict(self.lightning_module))
+
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
+        if self._restored is not None:  # runs after setup here (restore_checkpoint_after_setup)
+            self._apply_restored_state()
+        return checkpoint
+
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        if self._restored is not None:
+            super().load_model_state_dict(checkpoint, strict)
+        else:  # an ordinary state dict (validate / test / predict from a checkpoint)
+            assert self.lightning_module is not None
+            load_full_state_dict(self.lightning_module, checkpoint["state_dict"], strict)
+
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        if isinstance(self._launcher, _ReportingLauncher):
+            self._launcher = _GridLauncher(self, start_method=self._start_method)  # type: ignore[arg-type]
+
+
+class _GridLauncher(_ReportingLauncher):
+    """Spawn/fork launcher that hands the *ordinary* (gathered) weights back to the main process."""
+
+    def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> Any:
+        full = self._strategy.lightning_module_state_dict()  # a collective: on every rank
+        output = super()._collect_rank_zero_results(trainer, results)
+        if output is not None and output.weights_path is not None:
+            self._strategy.checkpoint_io.save_checkpoint(full, output.weights_path)
+        return output
+
+
+def _check_grid(owner: str, grid: Any) -> tuple[int, int] | None:
+    if grid == "auto":
+        return None
+    ok = isinstance(grid, Sequence) and not isinstance(grid, str) and len(grid) == 2
+    if not ok or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in grid):
+        raise ValueError(f"{owner}: argument `grid` must be 'auto' or a pair (Pr, Pc) of integers >= 1, got {grid!r}.")
+    return (int(grid[0]), int(grid[1]))
+
+
+def _lookup(module: Any, name: str) -> Any:
+    return lightning_getattr(module, name) if module is not None and lightning_hasattr(module, name) else None
+
+
+def _input_shape(module: Any) -> tuple[int, ...] | None:
+    example = getattr(module, "example_input_array", None)
+    if isinstance(example, Tensor):
+        return tuple(example.shape[1:])
+    shape = _lookup(module, "input_shape")
+    return tuple(int(s) for s in shape) if shape is not None else None
+
+
+def _example(module: Any) -> Tensor | None:
+    """A one-sample input the module's forward accepts (to check every layer at conversion), if known."""
+    shape = _input_shape(module)
+    if shape is None:
+        return None
+    ref = next(iter(module.parameters()), None)
+    example = torch.zeros(1, *shape, dtype=ref.dtype if ref is not None else None)
+    try:
+        trace_shapes(module, example)
+    except Exception as err:  # e.g. a forward that takes a dict: the layers then check at run time
+        log.warning(
+            "grid2d: cannot trace the model on an input of shape %s (%s); layers check at run time.", shape, err
+        )
+        return None
+    return example

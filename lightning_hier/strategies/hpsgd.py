@@ -1,0 +1,136 @@
+"""Lightning adapter of HPSGD (registered as ``hpsgd``, ``hpsgd_spawn``, ``hpsgd_fork``).
+
+Hierarchical Parallel SGD (Zhou, Ye, Zhang and Lv, arXiv 2009.02701, 2020): each window's
+all-reduce of the model change runs in the background while the next window computes. The
+algorithm lives in :mod:`lightning_hier.algorithms.hpsgd`; this module only connects it to
+Lightning's hooks.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch.distributed as dist
+
+from lightning_hier import _validate as v
+from lightning_hier.algorithms.averaging import float_buffers
+from lightning_hier.algorithms.hpsgd import HPSGD, MODES, Merge
+from lightning_hier.strategies._algorithm import AlgorithmStrategy
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    import lightning.pytorch as pl
+    from torch import nn
+    from torch.optim import Optimizer
+
+
+class HPSGDStrategy(AlgorithmStrategy[HPSGD]):
+    """HPSGD: replicas train locally; each window's change is all-reduced behind the next window.
+
+    The model is not wrapped in DDP: there is no per-step gradient all-reduce. Every ``window``
+    optimizer steps the replica's change over the window is launched as an asynchronous SUM
+    all-reduce; when the next window closes it is waited for, the global model ``S`` advances by
+    the average change (one window stale) and the replica restarts from ``S``. Validation during
+    fit, the checkpoint's ``state_dict`` and the module after ``fit()`` hold ``S`` on every rank;
+    at the end of fit the in-flight window and the steps since it are merged, so no update is
+    lost.
+
+    Args:
+        window: ``H``, optimizer steps per window (gradient accumulation does not change it). In
+            mode ``'poll'``, the minimum window.
+        mode: ``'fixed'`` (deterministic; resumes bit-identically) or ``'poll'`` (merge as soon
+            as the reduction has completed on every rank, after at least ``window`` steps; ranks
+            agree through a MIN all-reduce of a flag on a separate control group each step;
+            window lengths then depend on timing).
+        sync_buffers: Average floating-point buffers (BatchNorm statistics) at each merge, with
+            the same one-window staleness as the parameters. ``False``: buffers stay local and
+            each rank evaluates ``S`` with its own buffers.
+        reset_optimizer_state: Clear the inner optimizer's state (momentum, Adam moments) at every
+            merge; by default it carries over.
+        bucket_size_mb: Size bound of one flat buffer (MiB): the parameters are views of a few
+            buckets, so a very large model is reduced in a few calls, not one per tensor.
+        **kwargs: See :class:`~lightning_hier.strategies._base.HierStrategy` (``timeout``,
+            ``start_method``, ...).
+
+    Logged at every merge (also kept in ``last_metrics``): ``hpsgd/window`` (steps in the window
+    just closed), ``hpsgd/blocked_s`` (seconds waiting for the previous reduction: ~0 when it
+    was hidden), ``hpsgd/bytes`` (bytes launched for this window), ``hpsgd/consensus_distance``
+    (``||x - S||`` on this rank), ``hpsgd/merges``, and the running totals ``comm/bytes`` and
+    ``comm/blocked_s``.
+
+    Example:
+        >>> import lightning.pytorch as pl
+        >>> import lightning_hier  # registers the names
+        >>> trainer = pl.Trainer(strategy="hpsgd_fork", accelerator="cpu", devices=2)  # doctest: +SKIP
+        >>> strategy = HPSGDStrategy(window=8, timeout=120)
+        >>> strategy.window
+        8
+    """
+
+    strategy_name = "hpsgd"
+
+    def __init__(
+        self,
+        window: int = 2,
+        mode: str = "fixed",
+        sync_buffers: bool = True,
+        reset_optimizer_state: bool = False,
+        bucket_size_mb: float = 25.0,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        owner = type(self).__name__
+        self.window = v.check_int(owner, "window", window, minimum=1)
+        self.mode = v.check_choice(owner, "mode", mode, MODES)
+        self.sync_buffers = v.check_bool(owner, "sync_buffers", sync_buffers)
+        self.reset_optimizer_state = v.check_bool(owner, "reset_optimizer_state", reset_optimizer_state)
+        self.bucket_size_mb = v.check_float(owner, "bucket_size_mb", bucket_size_mb, low=0.0, low_inclusive=False)
+        self.algorithm = None
+        self._control_group: dist.ProcessGroup | None = None
+
+    def _setup_algorithm(self, trainer: pl.Trainer) -> None:
+        optimizer = self._require_single_optimizer()
+        module: nn.Module = self.lightning_module  # type: ignore[assignment]
+        self.algorithm = HPSGD(
+            module.parameters(),
+            group=self.groups.data,
+            window=self.window,
+            mode=self.mode,
+            buffers=float_buffers(module) if self.sync_buffers else (),
+            bucket_bytes=int(self.bucket_size_mb * 2**20),
+            stats=self.comm_stats,
+            control_group=self._poll_group(),
+            optimizer=optimizer,
+            reset_optimizer_state=self.reset_optimizer_state,
+        )
+
+    def _poll_group(self) -> dist.ProcessGroup | None:
+        """A second data-parallel group for the readiness flag, so it never queues behind the bulk reduction."""
+        if self.mode != "poll" or self.groups.data is None:
+            return None
+        if self._control_group is None:
+            for ranks in self.topology.all_groups("data"):  # a collective: every rank, same order
+                group = dist.new_group(ranks, timeout=self._timeout)
+                if self.global_rank in ranks:
+                    self._control_group = group
+        return self._control_group
+
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        assert self.algorithm is not None
+        merge = self.algorithm.step()
+        if merge is not None:
+            self._log(self._metrics(merge))
+        return output
+
+    def _metrics(self, merge: Merge) -> dict[str, float]:
+        return {
+            "hpsgd/window": float(merge.window),
+            "hpsgd/blocked_s": merge.blocked_s,
+            "hpsgd/bytes": float(merge.bytes),
+            "hpsgd/consensus_distance": merge.distance,
+            "hpsgd/merges": float(merge.merges),
+            "comm/bytes": float(self.comm_stats.bytes),
+            "comm/blocked_s": self.comm_stats.blocked_s,
+        }

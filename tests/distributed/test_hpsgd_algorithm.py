@@ -1,0 +1,157 @@
+"""The HPSGD state machine from a plain torch loop under real gloo groups, against hand references."""
+
+from functools import partial
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_hier.algorithms import HPSGD, float_buffers
+from lightning_hier.testing import run_workers
+from tests.hpsgd_reference import Reference, fixed_merge_steps, params_of
+
+STEPS, BATCH, LR = 11, 6, 0.1
+
+
+def _net(batch_norm: bool = False) -> nn.Module:
+    torch.manual_seed(0)
+    mid = [nn.BatchNorm1d(8)] if batch_norm else []
+    return nn.Sequential(nn.Linear(5, 8), *mid, nn.Tanh(), nn.Linear(8, 3))
+
+
+def _batch(worker: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * worker + step)
+    return torch.randn(BATCH, 5, generator=g), torch.randint(0, 3, (BATCH,), generator=g)
+
+
+def _loss(module: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return nn.functional.cross_entropy(module(batch[0]), batch[1])
+
+
+def _sgd(module: nn.Module, momentum: float = 0.0) -> torch.optim.Optimizer:
+    return torch.optim.SGD(module.parameters(), lr=LR, momentum=momentum)
+
+
+def _train(window: int, mode: str = "fixed", momentum: float = 0.0, batch_norm: bool = False, **hp) -> dict:
+    """One rank: train its own data with HPSGD; record S after every merge and the final replica."""
+    group = dist.group.WORLD if dist.is_initialized() else None
+    rank = dist.get_rank() if group is not None else 0
+    net = _net(batch_norm)
+    opt = _sgd(net, momentum)
+    buffers = float_buffers(net) if batch_norm else ()
+    algo = HPSGD(net.parameters(), group, window, mode, buffers=buffers, bucket_bytes=64, optimizer=opt, **hp)
+    merge_steps, history = [], []
+    for step in range(STEPS):
+        opt.zero_grad()
+        _loss(net, _batch(rank, step)).backward()
+        opt.step()
+        merge = algo.step()
+        if merge is not None:
+            merge_steps.append(algo.steps)
+            history.append(torch.cat([t.reshape(-1) for t in algo.global_tensors()]).clone())
+            assert merge.window == (window if mode == "fixed" else merge.window)
+    algo.finalize()
+    history.append(params_of(net))
+    return {"merge_steps": merge_steps, "history": history, "buffers": [b.clone() for b in net.buffers()]}
+
+
+def _grid(cases: list[dict]) -> list[dict]:
+    dist.init_process_group("gloo")
+    return [_train(**case) for case in cases]
+
+
+def _reference(world: int, merge_steps: list[int], momentum: float = 0.0, batch_norm: bool = False, **kw) -> list:
+    ref = Reference(partial(_net, batch_norm), partial(_sgd, momentum=momentum), _loss, world, **kw)
+    return ref.run(_batch, STEPS, merge_steps)
+
+
+CASES = [{"window": h} for h in (1, 2, 3)] + [
+    {"window": 2, "momentum": 0.9, "batch_norm": True},
+    {"window": 3, "momentum": 0.9, "reset_optimizer_state": True},
+]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_global_model_after_every_merge_matches_the_recurrence(world):
+    results = run_workers(_grid, CASES, devices=world, timeout=120)
+    for i, case in enumerate(CASES):
+        window = case["window"]
+        extra = {k: v for k, v in case.items() if k != "window"}
+        expected = _reference(world, fixed_merge_steps(window, STEPS), **extra)
+        for rank, result in enumerate(results):
+            got = result[i]
+            assert got["merge_steps"] == fixed_merge_steps(window, STEPS), (case, rank)
+            assert len(got["history"]) == len(expected)
+            for r, (a, b) in enumerate(zip(got["history"], expected, strict=True)):
+                torch.testing.assert_close(a, b, atol=1e-6, rtol=0, msg=f"{case} rank {rank} merge {r}")
+        # every rank ends with the same global model and, with sync_buffers, the same buffers
+        assert all(torch.equal(results[0][i]["history"][-1], r[i]["history"][-1]) for r in results)
+        if case.get("batch_norm"):
+            first = results[0][i]["buffers"]
+            assert all(torch.equal(a, b) for r in results for a, b in zip(first, r[i]["buffers"], strict=True))
+
+
+def test_poll_mode_ranks_agree_and_match_the_recurrence_at_their_merge_steps():
+    # 'poll' merges when the reduction has completed on every rank: timing decides the window
+    # lengths, so the reference replays the merge steps the ranks agreed on
+    def run() -> list[dict]:
+        dist.init_process_group("gloo")
+        control = dist.new_group([0, 1])
+        torch.manual_seed(0)
+        return [_train(window=1, mode="poll", control_group=control)]
+
+    results = run_workers(run, devices=2, timeout=120)
+    steps = results[0][0]["merge_steps"]
+    assert steps and steps == results[1][0]["merge_steps"]
+    expected = _reference(2, steps)
+    for result in results:
+        for a, b in zip(result[0]["history"], expected, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+
+
+def _quadratic(world: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    g = torch.Generator().manual_seed(7)
+    return [torch.randn(6, 4, generator=g) / 2 for _ in range(world)], [
+        torch.randn(6, generator=g) for _ in range(world)
+    ]
+
+
+def test_window_one_with_plain_sgd_is_one_stale_synchronous_sgd():
+    world, steps, lr = 2, 9, 0.05
+
+    def run() -> torch.Tensor:
+        dist.init_process_group("gloo")
+        a, b = _quadratic(world)
+        rank = dist.get_rank()
+        x = nn.Parameter(torch.ones(4))
+        opt = torch.optim.SGD([x], lr=lr)
+        algo = HPSGD([x], dist.group.WORLD, window=1)
+        for _ in range(steps):
+            opt.zero_grad()
+            (0.5 * (a[rank] @ x - b[rank]).square().sum()).backward()
+            opt.step()
+            algo.step()
+        algo.finalize()
+        return x.detach().clone()
+
+    out = run_workers(run, devices=world)
+    a, b = _quadratic(world)
+
+    def grad(w: int, x: torch.Tensor) -> torch.Tensor:
+        return a[w].T @ (a[w] @ x - b[w])
+
+    def mean_grad(x: torch.Tensor) -> torch.Tensor:
+        return sum(grad(w, x) for w in range(world)) / world
+
+    x0 = torch.ones(4)
+    # step 1 runs on x0 everywhere; step 2 on each worker's own x1 (nothing merged yet); from
+    # then on every step runs on the global model, whose update arrives one step late:
+    # S_r = S_{r-1} - lr * mean_w g_w(S_{r-2})
+    x1 = [x0 - lr * grad(w, x0) for w in range(world)]
+    s = [x0, x0 - lr * mean_grad(x0)]
+    s.append(s[1] - lr * sum(grad(w, x1[w]) for w in range(world)) / world)
+    while len(s) <= steps:
+        s.append(s[-1] - lr * mean_grad(s[-2]))
+    for x in out:
+        torch.testing.assert_close(x, s[steps], atol=1e-6, rtol=0)

@@ -1,0 +1,119 @@
+"""An independent single-process reference of HPSGD: W workers simulated in one process.
+
+Written from the recurrence (ALGORITHMS.md section 1), not from lightning_hier's classes: every
+worker keeps its own module, optimizer and window start V; the global model advances by the mean
+of the *previous* window's changes, theta_r = theta_{r-1} + mean_w Delta_{r-1}^w, and the
+replicas restart from it. Parameters and floating-point buffers are handled as flat vectors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor, nn
+from torch.nn.utils import parameters_to_vector, vector_to_parameters
+
+Batch = tuple[Tensor, Tensor]
+
+
+def params_of(module: nn.Module) -> Tensor:
+    return parameters_to_vector(module.parameters()).detach().clone()
+
+
+def buffers_of(module: nn.Module) -> Tensor:
+    bufs = [b.reshape(-1) for b in module.buffers() if b.is_floating_point()]
+    return torch.cat(bufs).clone() if bufs else torch.zeros(0)
+
+
+def _set_buffers(module: nn.Module, flat: Tensor) -> None:
+    offset = 0
+    for b in module.buffers():
+        if b.is_floating_point():
+            b.copy_(flat[offset : offset + b.numel()].view_as(b))
+            offset += b.numel()
+
+
+def fixed_merge_steps(window: int, total: int) -> list[int]:
+    """1-based optimizer steps at which mode 'fixed' merges: launch at step 1, then every H steps."""
+    return list(range(1 + window, total + 1, window))
+
+
+class Reference:
+    """W simulated workers; ``run`` returns the global model after each merge and at the end."""
+
+    def __init__(
+        self,
+        make_module: Callable[[], nn.Module],
+        make_optimizer: Callable[[nn.Module], torch.optim.Optimizer],
+        loss: Callable[[nn.Module, Batch], Tensor],
+        workers: int,
+        sync_buffers: bool = True,
+        reset_optimizer_state: bool = False,
+        clip_norm: float | None = None,
+        micro_batches: int = 1,
+    ) -> None:
+        self.modules = [make_module() for _ in range(workers)]
+        self.opts = [make_optimizer(m) for m in self.modules]
+        self.loss, self.sync_buffers, self.reset = loss, sync_buffers, reset_optimizer_state
+        self.clip_norm, self.micro_batches = clip_norm, micro_batches
+        self.S = params_of(self.modules[0])
+        self.B = buffers_of(self.modules[0])
+        self.V = [self.S.clone() for _ in self.modules]
+
+    def _train_step(self, batches: Sequence[Batch]) -> None:
+        for module, opt, batch in zip(self.modules, self.opts, batches, strict=True):
+            opt.zero_grad()
+            # gradient accumulation: equal micro-batches, each loss scaled by 1 / count
+            for x, y in zip(batch[0].chunk(self.micro_batches), batch[1].chunk(self.micro_batches), strict=True):
+                (self.loss(module, (x, y)) / self.micro_batches).backward()
+            if self.clip_norm is not None:
+                torch.nn.utils.clip_grad_norm_(module.parameters(), self.clip_norm)
+            opt.step()
+
+    def _x(self) -> list[Tensor]:
+        return [params_of(m) for m in self.modules]
+
+    @torch.no_grad()
+    def _restart_from_global(self, merge: bool = True) -> None:
+        for module, opt in zip(self.modules, self.opts, strict=True):
+            vector_to_parameters(self.S.clone(), module.parameters())
+            if self.sync_buffers:
+                _set_buffers(module, self.B)
+            if self.reset and merge:
+                opt.state.clear()
+        self.V = [self.S.clone() for _ in self.modules]
+
+    def run(self, data: Callable[[int, int], Batch], total: int, merge_steps: Sequence[int]) -> list[Tensor]:
+        """``data(worker, step)`` is worker's batch at 0-based ``step``; returns S after every merge + final."""
+        history: list[Tensor] = []
+        pending: list[Tensor] | None = None  # the launched window's per-worker deltas
+        pending_buffers: list[Tensor] = []
+        last_launch = 0
+        for step in range(1, total + 1):
+            self._train_step([data(w, step - 1) for w in range(len(self.modules))])
+            x = self._x()
+            if pending is None:  # the very first window: ship step 1's change, keep the replica
+                pending = [xw - vw for xw, vw in zip(x, self.V, strict=True)]
+                pending_buffers = [buffers_of(m) for m in self.modules]
+                self.V = x
+                last_launch = step
+            elif step in merge_steps:
+                delta = [xw - vw for xw, vw in zip(x, self.V, strict=True)]
+                self.S = self.S + torch.stack(pending).mean(0)
+                new_buffers = [buffers_of(m) for m in self.modules]
+                if self.sync_buffers:
+                    self.B = torch.stack(pending_buffers).mean(0)
+                self._restart_from_global()
+                history.append(self.S.clone())
+                pending, pending_buffers, last_launch = delta, new_buffers, step
+        if pending is not None:  # drain: the in-flight window, then the steps since its launch
+            x = self._x()
+            self.S = self.S + torch.stack(pending).mean(0)
+            self.B = torch.stack(pending_buffers).mean(0)
+            if total > last_launch:
+                self.S = self.S + torch.stack([xw - vw for xw, vw in zip(x, self.V, strict=True)]).mean(0)
+                self.B = torch.stack([buffers_of(m) for m in self.modules]).mean(0)
+            self._restart_from_global(merge=False)
+        history.append(self.S.clone())
+        return history

@@ -1,0 +1,132 @@
+"""DBS arithmetic: the batch split, shard sizes and the throughput EMA, against independent references."""
+
+import math
+import random
+
+import pytest
+
+from lightning_hier.algorithms.dbs import ThroughputMeter, check_split, shard_sizes, split_batch
+
+
+def reference_split(total: int, weights: list[float], low: int, high: int) -> list[int]:
+    """Clamped proportional shares by bisection on the scale, then Hamilton's largest-remainder method."""
+    lo_lam, hi_lam = 0.0, high / min(weights)
+    for _ in range(200):
+        mid = (lo_lam + hi_lam) / 2
+        if sum(min(high, max(low, mid * w)) for w in weights) < total:
+            lo_lam = mid
+        else:
+            hi_lam = mid
+    shares = [min(high, max(low, hi_lam * w)) for w in weights]
+    sizes = [math.floor(s + 1e-9) for s in shares]
+    order = sorted(range(len(weights)), key=lambda r: (-(shares[r] - sizes[r]), r))
+    for r in order[: total - sum(sizes)]:
+        sizes[r] += 1
+    return sizes
+
+
+@pytest.mark.parametrize(
+    ("total", "weights", "low", "high", "expected"),
+    [
+        (10, [1, 1, 1], 1, None, [4, 3, 3]),  # ties: lower rank first
+        (128, [2, 1], 1, None, [85, 43]),  # 85.33 / 42.67: the larger remainder gets the spare sample
+        (128, [1, 1], 1, None, [64, 64]),
+        (12, [100, 1], 1, 9, [9, 3]),  # capped at max; the rest goes to the other rank
+        (20, [100, 1, 1], 4, None, [12, 4, 4]),  # raised to min
+        (7, [1, 2, 4], 1, None, [1, 2, 4]),
+        (8, [3, 3, 3, 3], 2, 2, [2, 2, 2, 2]),  # min == max leaves one choice
+    ],
+)
+def test_hand_computed_splits(total, weights, low, high, expected):
+    assert split_batch(total, weights, low, high) == expected
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_splits_sum_exactly_respect_bounds_and_match_the_reference(seed):
+    rng = random.Random(seed)
+    world = rng.choice([2, 3, 4, 7, 16])
+    low = rng.randint(1, 8)
+    high = rng.choice([None, low + rng.randint(0, 200)])
+    cap = world * (high if high is not None else 10**4)
+    total = rng.randint(world * low, min(cap, world * low + 2000))
+    weights = [rng.uniform(0.05, 20.0) for _ in range(world)]
+    sizes = split_batch(total, weights, low, high)
+    hi = total if high is None else high
+    assert sum(sizes) == total
+    assert all(low <= b <= hi for b in sizes)
+    assert sizes == reference_split(total, weights, low, hi)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_unbounded_split_is_proportional_within_rounding(seed):
+    rng = random.Random(1000 + seed)
+    weights = [rng.uniform(1.0, 3.0) for _ in range(rng.randint(2, 8))]
+    total = rng.randint(64, 4096)
+    sizes = split_batch(total, weights)
+    for b, w in zip(sizes, weights, strict=True):
+        assert abs(b - total * w / sum(weights)) < 1.0
+    # faster ranks never get fewer samples
+    for b1, w1 in zip(sizes, weights, strict=True):
+        for b2, w2 in zip(sizes, weights, strict=True):
+            if w1 > w2:
+                assert b1 >= b2
+
+
+def test_speed_ratio_two_to_one():
+    assert split_batch(300, [2.0, 1.0]) == [200, 100]
+    assert split_batch(300, [1.0, 1.0, 2.0, 4.0]) == [38, 37, 75, 150]
+
+
+@pytest.mark.parametrize(
+    ("total", "world", "low", "high", "match"),
+    [
+        (3, 4, 1, None, r"global batch of 3 cannot be split over 4 ranks .* must lie in \[4, 12\]"),
+        (10, 2, 6, None, r"must lie in \[12, 20\]"),
+        (100, 2, 1, 40, r"must lie in \[2, 80\]"),
+        (10, 2, 5, 4, "1 <= min <= max"),
+        (10, 2, 0, None, "1 <= min <= max"),
+    ],
+)
+def test_infeasible_splits_are_rejected(total, world, low, high, match):
+    with pytest.raises(ValueError, match=match):
+        check_split(total, world, low, high)
+    with pytest.raises(ValueError, match=match):
+        split_batch(total, [1.0] * world, low, high)
+
+
+@pytest.mark.parametrize("weights", [[1.0, 0.0], [1.0, -2.0], [1.0, float("nan")], [float("inf"), 1.0]])
+def test_weights_must_be_positive_and_finite(weights):
+    with pytest.raises(ValueError, match="positive and finite"):
+        split_batch(10, weights)
+
+
+def test_shard_sizes_give_every_rank_the_same_number_of_steps():
+    steps, shards = shard_sizes(1437, [85, 43])
+    assert steps == 11 and shards == [935, 473]
+    assert [s // b for s, b in zip(shards, [85, 43], strict=True)] == [steps, steps]
+    assert sum(shards) <= 1437 < sum(shards) + 128
+
+
+def test_throughput_meter_is_an_ema_of_window_rates():
+    meter = ThroughputMeter(ema=0.5)
+    assert meter.close_window()["samples_per_s"] == 0.0  # nothing measured: no estimate
+    meter.add(60, 0.5, 0.1)
+    meter.add(40, 0.5, 0.3)
+    first = meter.close_window()
+    assert first == {"compute_s": 0.5, "idle_s": pytest.approx(0.2), "samples_per_s": 100.0}  # 100 / 1.0 s
+    meter.add(300, 1.0, 0.0)
+    assert meter.close_window()["samples_per_s"] == 0.5 * 100.0 + 0.5 * 300.0
+    meter.add(10, 0.0, 0.0)  # no compute time: the window is ignored
+    assert meter.close_window()["samples_per_s"] == 200.0
+    restored = ThroughputMeter(ema=0.5)
+    restored.load_state_dict(meter.state_dict())
+    assert restored.state_dict() == meter.state_dict()
+
+
+def test_ema_zero_uses_the_last_window_only():
+    meter = ThroughputMeter(ema=0.0)
+    for rate in (100, 400):
+        meter.add(rate, 1.0, 0.0)
+        assert meter.close_window()["samples_per_s"] == rate
+    with pytest.raises(ValueError, match="ema"):
+        ThroughputMeter(ema=1.0)

@@ -1,0 +1,217 @@
+"""HPSGD in one process: the recurrence for one worker, checkpoints, consensus, arguments, registry."""
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch import nn
+
+from lightning_hier import HPSGDStrategy
+from lightning_hier.algorithms import HPSGD, float_buffers
+from tests.hpsgd_reference import Reference, fixed_merge_steps, params_of
+
+STEPS = 10
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # tiny tensors: on a loaded machine a thread pool only adds contention (20x slower here)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Tanh(), nn.Linear(6, 2))
+
+
+def _batch(worker: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(8, 4, generator=g), torch.randn(8, 2, generator=g)
+
+
+def _loss(module: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return nn.functional.mse_loss(module(batch[0]), batch[1])
+
+
+def _opt(module: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+
+
+def _train_step(net: nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
+    opt.zero_grad()
+    _loss(net, _batch(0, step)).backward()
+    opt.step()
+
+
+def _algo(net: nn.Module, opt: torch.optim.Optimizer, window: int = 3, **kw) -> HPSGD:
+    return HPSGD(net.parameters(), None, window, buffers=float_buffers(net), bucket_bytes=64, optimizer=opt, **kw)
+
+
+@pytest.mark.parametrize("window", [1, 3])
+def test_single_worker_follows_the_recurrence(window):
+    net = _net()
+    opt = _opt(net)
+    algo = _algo(net, opt, window)
+    history = []
+    for step in range(STEPS):
+        _train_step(net, opt, step)
+        if algo.step() is not None:
+            history.append(torch.cat([t.reshape(-1) for t in algo.global_tensors()]).clone())
+    algo.finalize()
+    history.append(params_of(net))
+    expected = Reference(_net, _opt, _loss, 1).run(_batch, STEPS, fixed_merge_steps(window, STEPS))
+    assert len(history) == len(expected)
+    for a, b in zip(history, expected, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+
+
+def _run(stop: int | None = None, state: dict | None = None, inside_consensus: bool = False) -> tuple:
+    """Train STEPS steps; optionally snapshot everything after ``stop`` steps, or start from ``state``."""
+    net = _net()
+    opt = _opt(net)
+    algo = _algo(net, opt)
+    first = 0
+    if state is not None:
+        net.load_state_dict(state["net"])
+        opt.load_state_dict(state["opt"])
+        algo.load_state_dict(state["algo"])
+        first = state["step"]
+    for step in range(first, STEPS):
+        _train_step(net, opt, step)
+        algo.step()
+        if step + 1 == stop:
+            with algo.consensus() if inside_consensus else _nothing():
+                snapshot = {
+                    "net": {k: v.clone() for k, v in net.state_dict().items()},
+                    "opt": _clone(opt.state_dict()),
+                    "algo": _clone(algo.state_dict()),
+                    "step": stop,
+                }
+            return snapshot, None
+    algo.finalize()
+    return None, [t.clone() for t in net.state_dict().values()]
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *args: object) -> None:
+        return None
+
+
+def _clone(state):
+    if isinstance(state, torch.Tensor):
+        return state.clone()
+    if isinstance(state, dict):
+        return {k: _clone(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [_clone(v) for v in state]
+    return state
+
+
+@pytest.mark.parametrize("stop", range(1, STEPS))  # the first window, a merge step (k = 0), mid-window
+@pytest.mark.parametrize("inside_consensus", [False, True])
+def test_state_dict_round_trip_continues_bit_identically(stop, inside_consensus):
+    _, straight = _run()
+    snapshot, _ = _run(stop=stop, inside_consensus=inside_consensus)
+    _, resumed = _run(state=snapshot)
+    assert all(torch.equal(a, b) for a, b in zip(straight, resumed, strict=True))
+    assert ("window_start" in snapshot["algo"]) == (stop < 4)  # V differs from S only in the first window
+    assert ("replica" in snapshot["algo"]) == inside_consensus
+
+
+def test_consensus_holds_the_global_model_and_restores_the_replica():
+    net = _net()
+    opt = _opt(net)
+    algo = _algo(net, opt)
+    for step in range(5):  # merge at step 4, one local step since
+        _train_step(net, opt, step)
+        algo.step()
+    replica = params_of(net)
+    buffers = [b.clone() for b in float_buffers(net)]
+    global_model = torch.cat([t.reshape(-1) for t in algo.global_tensors()])
+    assert not torch.equal(replica, global_model)
+    with algo.consensus():
+        assert torch.equal(params_of(net), global_model)
+        with algo.consensus():  # nested: still the global model
+            assert torch.equal(params_of(net), global_model)
+        assert torch.equal(params_of(net), global_model)
+    assert torch.equal(params_of(net), replica)
+    assert all(torch.equal(a, b) for a, b in zip(buffers, float_buffers(net), strict=True))
+
+
+def test_parameters_become_views_of_a_few_buckets():
+    net = _net()
+    algo = HPSGD(net.parameters(), None, bucket_bytes=64)
+    assert len(algo.flat.buckets) > 1 and algo.flat.is_aliased()
+    one = HPSGD(_net().parameters(), None)
+    assert len(one.flat.buckets) == 1
+
+
+def test_reset_optimizer_state_clears_momentum_at_every_merge():
+    net = _net()
+    opt = _opt(net)
+    algo = _algo(net, opt, window=2, reset_optimizer_state=True)
+    for step in range(5):
+        _train_step(net, opt, step)
+        merged = algo.step() is not None
+        assert (len(opt.state) == 0) == merged, step  # merges at steps 3 and 5
+    net = _net()
+    opt = _opt(net)
+    algo = _algo(net, opt, window=2)  # the default keeps momentum across windows
+    for step in range(3):
+        _train_step(net, opt, step)
+        algo.step()
+    assert algo.merges == 1 and len(opt.state) > 0
+
+
+def test_loading_a_state_of_another_model_or_buffer_policy_is_rejected():
+    net = _net()
+    opt = _opt(net)
+    algo = _algo(net, opt)
+    _train_step(net, opt, 0)
+    algo.step()
+    state = algo.state_dict()
+    other = HPSGD(nn.Linear(4, 2).parameters(), None)
+    with pytest.raises(ValueError, match="`global_model` does not match"):
+        other.load_state_dict(state)
+    no_buffers = HPSGD(_net().parameters(), None)
+    with pytest.raises(ValueError, match="checkpoint averaged buffers"):
+        no_buffers.load_state_dict(state)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"window": 0}, "argument `window` must be an integer >= 1, got 0"),
+        ({"window": 2.5}, "argument `window` must be an integer >= 1, got 2.5"),
+        ({"mode": "adaptive"}, "argument `mode` must be one of 'fixed', 'poll', got 'adaptive'"),
+        ({"sync_buffers": "yes"}, "argument `sync_buffers` must be True or False, got 'yes'"),
+        ({"reset_optimizer_state": 1}, "argument `reset_optimizer_state` must be True or False, got 1"),
+        ({"bucket_size_mb": 0}, r"argument `bucket_size_mb` must be a number > 0.0, got 0"),
+        ({"timeout": -1}, "argument `timeout` must be a number in"),
+    ],
+)
+def test_bad_arguments_fail_at_construction_naming_argument_and_value(kwargs, message):
+    with pytest.raises(ValueError, match=rf"HPSGDStrategy: {message}"):
+        HPSGDStrategy(**kwargs)
+
+
+def test_algorithm_arguments_are_checked_too():
+    params = list(nn.Linear(2, 2).parameters())
+    with pytest.raises(ValueError, match="`window` must be an integer >= 1, got 0"):
+        HPSGD(params, None, window=0)
+    with pytest.raises(ValueError, match="`mode` must be one of"):
+        HPSGD(params, None, mode="sometimes")
+    with pytest.raises(ValueError, match="`reset_optimizer_state=True` needs the inner `optimizer`"):
+        HPSGD(params, None, reset_optimizer_state=True)
+
+
+@pytest.mark.parametrize(("name", "method"), [("hpsgd", "popen"), ("hpsgd_spawn", "spawn"), ("hpsgd_fork", "fork")])
+def test_registered_names_build_the_strategy(name, method):
+    t = pl.Trainer(strategy=name, accelerator="cpu", devices=2, logger=False, enable_progress_bar=False)
+    assert isinstance(t.strategy, HPSGDStrategy)
+    assert t.strategy._start_method == method and t.strategy.window == 2 and t.strategy.mode == "fixed"
