@@ -124,8 +124,7 @@ def run_rank(spec: dict[str, Any], callbacks: list[Callback] | None = None) -> d
 
 def _measurements(trainer: pl.Trainer, recorder: Recorder, cfg: Any, callbacks: list[Callback]) -> dict[str, Any]:
     stats = getattr(trainer.strategy, "comm_stats", None)
-    # the benchmark's SleepStraggler says `slept_s`, the library's Straggler `delay_s`
-    slept = sum(float(getattr(cb, "slept_s", getattr(cb, "delay_s", 0.0))) for cb in callbacks)
+    slept = sum(float(getattr(cb, "delay_s", 0.0)) for cb in callbacks)  # the delay-mode straggler's stall
     return {
         "rank": trainer.global_rank,
         "world_size": trainer.world_size,

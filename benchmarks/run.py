@@ -32,10 +32,10 @@ from typing import Any
 from benchmarks import netns, publish
 from benchmarks.scenarios import REPO, SCENARIOS, WORKLOADS, Plan, Scenario, Workload, available_strategies, plan
 from benchmarks.straggler import (
+    DEFAULT_DELAY_CALLBACK,
     MODES,
     Straggler,
     cgroup_flavour,
-    default_delay_callback,
     load_factory,
     remove_stale_cgroups,
 )
@@ -58,7 +58,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--epochs", type=int, help="override every workload's epochs")
     p.add_argument("--set", dest="extra", nargs="+", default=[], metavar="KEY=VALUE", help="extra Hydra overrides")
     p.add_argument("--straggler-mode", choices=MODES, default="cgroup", help="how a straggler is slowed")
-    p.add_argument("--straggler-callback", help="delay mode: module:attr factory (default: the library's, if any)")
+    p.add_argument("--straggler-callback", default=DEFAULT_DELAY_CALLBACK, help="delay mode: module:attr factory")
     p.add_argument("--reference", action=argparse.BooleanOptionalAction, help="no-communication run (full: on)")
     p.add_argument("--out", type=Path, help=f"output folder (default {RESULTS} or, quick, {QUICK_OUT})")
     p.add_argument("--update-readme", action=argparse.BooleanOptionalAction, help="rewrite README results")
@@ -71,7 +71,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     default_out = args.out is None
     args.out = args.out or (QUICK_OUT if args.quick else RESULTS)
     args.reference = (not args.quick) if args.reference is None else args.reference
-    args.straggler_callback = args.straggler_callback or default_delay_callback()
     args.update_readme = (default_out and not args.quick) if args.update_readme is None else args.update_readme
     if args.ranks < 1 or args.ranks > netns.MAX_RANKS:
         p.error(f"--ranks must be in [1, {netns.MAX_RANKS}], got {args.ranks}")

@@ -9,8 +9,8 @@ Two modes:
   slower, like a slower machine.
 - ``delay``: a Lightning callback, built on every rank by a factory ``module:attr`` called as
   ``factory(ranks=[rank], factor=factor)``; it slows the listed ranks. Default: the library's
-  ``lightning_hier.callbacks.straggler:Straggler`` (from the DBS issue) when it exists, else
-  :class:`benchmarks.delay.SleepStraggler`, which follows the same protocol.
+  :class:`lightning_hier.callbacks.Straggler` (stalls after each backward for ``factor - 1``
+  times the measured forward + backward).
 
 This module imports no Lightning, so the runner and ``--cleanup`` stay light.
 """
@@ -18,7 +18,6 @@ This module imports no Lightning, so the runner and ``--cleanup`` stay light.
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,8 +27,7 @@ from typing import Any
 from benchmarks.netns import PREFIX
 
 MODES = ("cgroup", "delay")
-LIBRARY_DELAY_CALLBACK = "lightning_hier.callbacks.straggler:Straggler"
-FALLBACK_DELAY_CALLBACK = "benchmarks.delay:SleepStraggler"
+DEFAULT_DELAY_CALLBACK = "lightning_hier.callbacks.straggler:Straggler"
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 PERIOD_US = 20_000  # short periods throttle smoothly at the time scale of one training step
 MIN_QUOTA_US = 1_000  # the kernel's minimum quota
@@ -43,13 +41,13 @@ class Straggler:
         rank: The rank that runs slower.
         factor: How many times slower (> 1).
         mode: ``'cgroup'`` or ``'delay'``.
-        callback: ``module:attr`` of the delay-mode callback factory (see :func:`default_delay_callback`).
+        callback: ``module:attr`` of the delay-mode callback factory.
     """
 
     rank: int
     factor: float
     mode: str = "cgroup"
-    callback: str = FALLBACK_DELAY_CALLBACK
+    callback: str = DEFAULT_DELAY_CALLBACK
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -138,15 +136,6 @@ def remove_stale_cgroups(root: Path = CGROUP_ROOT) -> list[str]:
             except OSError:
                 pass  # still has members: leave it
     return removed
-
-
-def default_delay_callback() -> str:
-    """The library's straggler callback when this checkout has it, else the benchmark's own."""
-    return (
-        LIBRARY_DELAY_CALLBACK
-        if importlib.util.find_spec("lightning_hier.callbacks.straggler")
-        else FALLBACK_DELAY_CALLBACK
-    )
 
 
 def load_factory(spec: str) -> Callable[..., Any]:

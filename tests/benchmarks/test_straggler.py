@@ -1,16 +1,13 @@
 """Straggler emulation: cgroup quota files (on a fake cgroup tree), the delay callback, validation."""
 
-from types import SimpleNamespace
-
 import pytest
 
-from benchmarks.delay import SleepStraggler
 from benchmarks.straggler import (
+    DEFAULT_DELAY_CALLBACK,
     PERIOD_US,
     CpuQuota,
     Straggler,
     cgroup_flavour,
-    default_delay_callback,
     load_factory,
     quota_us,
     remove_stale_cgroups,
@@ -73,30 +70,13 @@ def test_stale_cgroups_of_dead_runs_are_removed(tmp_path):
     assert live.exists() and other.exists() and not dead.exists()
 
 
-def test_sleep_straggler_sleeps_factor_minus_one_times_the_estimated_compute_on_its_ranks():
-    now = [0.0]
-    slept: list[float] = []
-    cb = SleepStraggler(ranks=[1], factor=2.5, clock=lambda: now[0], sleep=slept.append)
-    for rank, forward in ((1, 0.1), (1, 0.2), (0, 0.3)):
-        trainer = SimpleNamespace(global_rank=rank)
-        cb.on_train_batch_start(trainer, None, None, 0)
-        now[0] += forward
-        cb.on_before_backward(trainer, None, None)
-        now[0] += 2 * forward  # backward: not timed
-        cb.on_train_batch_end(trainer, None, None, None, 0)
-    # rank 0 is not listed: no sleep for its batch
-    assert slept == pytest.approx([1.5 * 3 * 0.1, 1.5 * 3 * 0.2]) and cb.slept_s == pytest.approx(1.35)
-    with pytest.raises(ValueError, match="`factor` must be > 1"):
-        SleepStraggler(ranks=[1], factor=1.0)
-
-
 def test_the_default_delay_callback_follows_the_protocol():
-    callback = load_factory(default_delay_callback())(ranks=[1], factor=2.0)
+    callback = load_factory(DEFAULT_DELAY_CALLBACK)(ranks=[1], factor=2.0)
     assert callback.ranks == [1] and callback.factor == 2.0
 
 
 def test_delay_callback_factory_is_pluggable():
-    assert load_factory("benchmarks.delay:SleepStraggler") is SleepStraggler
+    assert load_factory("benchmarks.straggler:Straggler") is Straggler
     for bad, msg in (
         ("nocolon", "module:attr"),
         ("benchmarks.straggler:Nope", "cannot be imported"),
