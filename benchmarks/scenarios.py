@@ -53,7 +53,7 @@ class Workload:
     target_acc: float
     link: str = "1gbit"
     straggler: tuple[int, float] | None = None
-    quick: tuple[str, ...] = ("data.train_size=4096", "trainer.max_epochs=2")
+    quick: tuple[str, ...] = ("data.train_size=4096", "trainer.max_epochs=2", "++trainer.limit_val_batches=4")
 
     @property
     def searchpath(self) -> Path:
