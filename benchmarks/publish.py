@@ -57,11 +57,33 @@ def render(results: dict[str, Any], plot_dir: Path, base: Path, workloads: list[
     return "\n".join(parts).strip() + "\n"
 
 
+def carry_over(results: dict[str, Any], previous: dict[str, Any]) -> dict[str, Any]:
+    """``results`` plus the workloads of ``previous`` that this invocation did not run (nor skip).
+
+    So ``python -m benchmarks.run --workloads dbs_straggler`` refreshes the DBS tables and keeps
+    every other workload's last measurement, each labelled with the invocation it came from.
+    """
+    merged = {**results, "workloads": dict(results["workloads"]), "skipped": list(results.get("skipped", []))}
+    touched = set(results["workloads"]) | {s["workload"] for s in results.get("skipped", [])}
+    for name, entry in previous.get("workloads", {}).items():
+        if name not in touched and name in WORKLOADS:
+            merged["workloads"][name] = {"meta": previous["meta"], **entry}
+    merged["skipped"] += [s for s in previous.get("skipped", []) if s["workload"] not in touched]
+    return merged
+
+
 def write_outputs(results: dict[str, Any], out: Path, update_readme: bool) -> None:
-    """``results.json``, ``results.md`` and one PNG per workload in ``out``; optionally the READMEs."""
+    """``results.json``, ``results.md`` and one PNG per workload in ``out``; optionally the READMEs.
+
+    With ``update_readme`` the workloads of the previous ``results.json`` in ``out`` that this
+    invocation did not touch are kept (see :func:`carry_over`).
+    """
     from benchmarks.plots import plot_workload
 
     out.mkdir(parents=True, exist_ok=True)
+    previous = out / "results.json"
+    if update_readme and previous.is_file():
+        results = carry_over(results, json.loads(previous.read_text()))
     (out / "results.json").write_text(json.dumps(results, indent=1, default=float) + "\n")
     for name, result in results["workloads"].items():
         if "comparison" in result and any("error" not in r for r in result["runs"].values()):

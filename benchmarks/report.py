@@ -62,6 +62,14 @@ def summarize(scenario: Scenario, job: JobResult) -> dict[str, Any]:
     }
 
 
+def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The repeat with the median training time (the lower one of an even count), with every repeat's samples/s."""
+    ordered = sorted(runs, key=lambda r: r["train_s"])
+    median = dict(ordered[(len(ordered) - 1) // 2])
+    median["repeats"] = [r["samples_per_s"] for r in runs]
+    return median
+
+
 def _final_acc(timeline: list[dict[str, float]]) -> float:
     return float(timeline[-1]["val_acc"]) if timeline else math.nan
 
@@ -182,7 +190,7 @@ def workload_table(workload: Workload, result: dict[str, Any]) -> str:
         row = comp["rows"][label]
         blocked = _fmt(run["blocked_s"], ".1f") + (" (est.)" if run.get("blocked_estimated") else "")
         lines.append(
-            f"| {label} | {_args(run)} | {_fmt(run['samples_per_s'], '.0f')} "
+            f"| {label} | {_args(run)} | {_fmt(run['samples_per_s'], '.0f')}{_spread(run)} "
             f"| {_fmt(row['samples_per_s_ratio'], '.2f')} "
             f"| {_fmt(run['epoch_s'], '.1f')} | {_fmt(row['epoch_s_ratio'], '.2f')} "
             f"| {_fmt(row['time_to_target_s'], '.0f')} | {_fmt(run['final_acc'], '.3f')} "
@@ -191,6 +199,11 @@ def workload_table(workload: Workload, result: dict[str, Any]) -> str:
             f"| {blocked} | {_fmt(run['peak_rss_mb'], '.0f')} |"
         )
     return "\n".join(lines)
+
+
+def _spread(run: dict[str, Any]) -> str:
+    repeats = run.get("repeats") or []
+    return f" ({min(repeats):.0f}-{max(repeats):.0f})" if len(repeats) > 1 else ""
 
 
 def targets_table(checks: list[dict[str, Any]]) -> str:
@@ -204,18 +217,18 @@ def targets_table(checks: list[dict[str, Any]]) -> str:
 
 
 def workload_section(workload: Workload, result: dict[str, Any], meta: dict[str, Any], plot: str | None) -> str:
-    equal = result["comparison"]["equal_time_s"]
-    straggler = (
-        f", rank {workload.straggler[0]} slowed {workload.straggler[1]:g}x ({meta.get('straggler_mode', 'cgroup')})"
-        if workload.straggler
-        else ""
-    )
-    parts = [
-        f"#### `{workload.name}`: {workload.description}",
-        "",
-        f"{meta['ranks']} ranks, {result.get('link', workload.link)} links{straggler}; recipe "
+    """Heading, setting, table and plot of one workload (``meta``: the document's; a workload carried
+    over from an earlier invocation says so with its own)."""
+    own = result.get("meta", meta)
+    slow = result.get("straggler")
+    straggler = f", rank {slow['rank']} slowed {slow['factor']:g}x ({slow['mode']})" if slow else ""
+    parts = [f"#### `{workload.name}`: {workload.description}", ""]
+    if own.get("date") != meta.get("date"):
+        parts += [f"From an earlier invocation: {meta_line(own)}", ""]
+    parts += [
+        f"{own['ranks']} ranks, {result.get('link', workload.link)} links{straggler}; recipe "
         f"`recipes/{workload.recipe}` experiment `{workload.experiment}`. Equal-time accuracy at "
-        f"{_fmt(equal, '.0f')} s of training (the fastest run's total).",
+        f"{_fmt(result['comparison']['equal_time_s'], '.0f')} s of training (the fastest run's total).",
         "",
         workload_table(workload, result),
     ]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import itertools
 import json
 import os
 import platform
@@ -26,6 +27,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +64,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--reference", action=argparse.BooleanOptionalAction, help="no-communication run (full: on)")
     p.add_argument("--out", type=Path, help=f"output folder (default {RESULTS} or, quick, {QUICK_OUT})")
     p.add_argument("--update-readme", action=argparse.BooleanOptionalAction, help="rewrite README results")
+    p.add_argument("--repeats", type=int, default=1, help="run every job N times, interleaved; report the median")
     p.add_argument("--timeout", type=float, default=3600.0, help="deadline of one run in seconds")
     p.add_argument("--list", action="store_true", help="show workloads and scenarios, run nothing")
     p.add_argument("--report", type=Path, metavar="JSON", help="re-render outputs from a results.json")
@@ -72,6 +75,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.out = args.out or (QUICK_OUT if args.quick else RESULTS)
     args.reference = (not args.quick) if args.reference is None else args.reference
     args.update_readme = (default_out and not args.quick) if args.update_readme is None else args.update_readme
+    if args.repeats < 1:
+        p.error(f"--repeats must be >= 1, got {args.repeats}")
     if args.ranks < 1 or args.ranks > netns.MAX_RANKS:
         p.error(f"--ranks must be in [1, {netns.MAX_RANKS}], got {args.ranks}")
     try:
@@ -158,45 +163,64 @@ def run_plan(args: argparse.Namespace, the_plan: Plan, data: list[str], results:
     On an interruption (or any error) ``results["interrupted"]`` is set and the exception goes on,
     after the ranks, the cgroup and the namespaces are gone.
     """
-    from benchmarks.launch import JobFailed, run_job
-    from benchmarks.report import compare, summarize
-
     work = args.out / "tmp" / f"runs-{dt.datetime.now():%Y%m%d-%H%M%S}"  # rank logs; benchmarks/results/tmp is ignored
     results["meta"]["logs"] = str(work)
-    port = FIRST_PORT
+    ports = itertools.count(FIRST_PORT)  # a fresh MASTER_PORT per job
     try:
         with netns.EmulatedCluster(args.ranks, netns.Link(args.link or "1gbit")) as cluster:
             for name, scenarios in the_plan.runs.items():
-                w = WORKLOADS[name]
-                link = args.link or w.link
-                cluster.set_link(netns.Link(link))
-                straggler = w.straggler_spec(args.straggler_mode, args.straggler_callback)
-                if straggler is not None and straggler.rank >= args.ranks:
-                    straggler = None
-                runs: dict[str, Any] = {}
-                entry = {"link": link, "straggler": _straggler_info(straggler), "runs": runs}
+                entry: dict[str, Any] = {"meta": results["meta"], "link": args.link or WORKLOADS[name].link, "runs": {}}
                 results["workloads"][name] = entry
-                for sc in scenarios:
-                    spec = {
-                        "ranks": args.ranks,
-                        "searchpath": str(w.searchpath),
-                        "overrides": run_overrides(args, w, sc, data),
-                        "delay": _delay(straggler),
-                    }
-                    print(f"[bench] {name} / {sc.label}: {' '.join(sc.hydra_overrides())}", flush=True)
-                    started = time.perf_counter()
-                    try:
-                        job = run_job(cluster, spec, work / name / sc.label, port, args.timeout, _cgroup(straggler))
-                        runs[sc.label] = summarize(sc, job)
-                        print(f"[bench]   {_progress(runs[sc.label])}", flush=True)
-                    except JobFailed as err:
-                        runs[sc.label] = {"label": sc.label, "strategy": sc.strategy, "error": str(err)}
-                        print(f"[bench]   FAILED after {time.perf_counter() - started:.0f} s: {err}", flush=True)
-                    entry["comparison"] = compare(w, runs)
-                    port += 1
+                run_workload(args, cluster, WORKLOADS[name], scenarios, data, work / name, ports, entry)
     except BaseException:
         results["interrupted"] = True
         raise
+
+
+def run_workload(
+    args: argparse.Namespace,
+    cluster: netns.EmulatedCluster,
+    w: Workload,
+    scenarios: list[Scenario],
+    data: list[str],
+    work: Path,
+    ports: Iterator[int],
+    entry: dict[str, Any],
+) -> None:
+    """Run one workload's scenarios ``args.repeats`` times, interleaved; ``entry`` holds the median runs.
+
+    Interleaving the repeats spreads slow phases of a shared machine over every strategy instead of
+    penalising whichever ran during them.
+    """
+    from benchmarks.launch import JobFailed, run_job
+    from benchmarks.report import compare, median_run, summarize
+
+    cluster.set_link(netns.Link(entry["link"]))
+    straggler = w.straggler_spec(args.straggler_mode, args.straggler_callback)
+    if straggler is not None and straggler.rank >= args.ranks:
+        straggler = None
+    entry["straggler"] = _straggler_info(straggler)
+    done: dict[str, list[dict[str, Any]]] = {}
+    for repeat in range(args.repeats):
+        for sc in scenarios:
+            if "error" in entry["runs"].get(sc.label, {}):
+                continue
+            spec = {"ranks": args.ranks, "searchpath": str(w.searchpath), "overrides": run_overrides(args, w, sc, data)}
+            spec["delay"] = _delay(straggler)
+            tag = f" (repeat {repeat + 1}/{args.repeats})" if args.repeats > 1 else ""
+            print(f"[bench] {w.name} / {sc.label}{tag}: {' '.join(sc.hydra_overrides())}", flush=True)
+            started = time.perf_counter()
+            try:
+                job = run_job(
+                    cluster, spec, work / f"{sc.label}-{repeat}", next(ports), args.timeout, _cgroup(straggler)
+                )
+                done.setdefault(sc.label, []).append(summarize(sc, job))
+                entry["runs"][sc.label] = median_run(done[sc.label])
+                print(f"[bench]   {_progress(done[sc.label][-1])}", flush=True)
+            except JobFailed as err:
+                entry["runs"][sc.label] = {"label": sc.label, "strategy": sc.strategy, "error": str(err)}
+                print(f"[bench]   FAILED after {time.perf_counter() - started:.0f} s: {err}", flush=True)
+            entry["comparison"] = compare(w, entry["runs"])
 
 
 def _skipped(the_plan: Plan) -> list[dict[str, str]]:

@@ -12,10 +12,12 @@ from benchmarks.report import (
     check_target,
     compare,
     diagnosis,
+    median_run,
     meta_line,
     replace_between,
     summarize,
     time_to,
+    workload_table,
 )
 from benchmarks.scenarios import BASELINE, NO_COMM, WORKLOADS, Scenario, Target
 
@@ -145,3 +147,29 @@ def test_runs_on_a_busy_machine_are_labelled_preliminary():
     quiet = meta_line({**meta, "load_avg": [0.4, 0, 0]})
     assert quiet.startswith("_full run d") and "arguments `--epochs 2`" in quiet
     assert meta_line({**meta, "load_avg": [4.0, 0, 0]}).startswith("**Preliminary: the machine was busy (load 4.0")
+
+
+def test_repeats_report_the_median_run_and_the_range():
+    runs = [{"train_s": t, "samples_per_s": 1000 / t, "epochs": 1} for t in (12.0, 10.0, 20.0)]
+    median = median_run(runs)
+    assert median["train_s"] == 12.0 and median["repeats"] == pytest.approx([1000 / 12, 100.0, 50.0])
+    assert median_run(runs[:2])["train_s"] == 10.0  # even count: the lower middle
+    rows = _runs()
+    rows["localsgd"]["repeats"] = [90.0, 100.0, 120.0]
+    result = {"runs": rows, "comparison": compare(W, rows)}
+    assert "| localsgd | tau=8 | 100 (90-120) | 2.00 |" in workload_table(W, result)
+
+
+def test_a_partial_invocation_keeps_the_other_workloads_of_the_last_one():
+    old_meta, new_meta = {"date": "old"}, {"date": "new"}
+    previous = {
+        "meta": old_meta,
+        "workloads": {"grawa_cnn": {"runs": {"ddp": 1}}, "hpsgd_mlp": {"runs": {"ddp": 2}}, "gone": {"runs": {}}},
+        "skipped": [{"workload": "decoupled_cnn", "label": "decoupled"}, {"workload": "hpsgd_mlp", "label": "x"}],
+    }
+    new = {"meta": new_meta, "workloads": {"hpsgd_mlp": {"meta": new_meta, "runs": {"ddp": 3}}}, "skipped": []}
+    merged = publish.carry_over(new, previous)
+    assert merged["workloads"]["hpsgd_mlp"]["runs"] == {"ddp": 3}  # refreshed
+    assert merged["workloads"]["grawa_cnn"] == {"meta": old_meta, "runs": {"ddp": 1}}  # kept, with its provenance
+    assert "gone" not in merged["workloads"]  # no longer a workload
+    assert merged["skipped"] == [{"workload": "decoupled_cnn", "label": "decoupled"}]

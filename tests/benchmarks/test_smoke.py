@@ -35,7 +35,7 @@ def test_quick_run_writes_results_then_sigterm_removes_everything(emulation, tmp
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
     try:
         # DDP done; Local SGD started, its rank 1 inside the straggler's CPU-quota cgroup
-        _wait_for("tmp/runs-*/dbs_straggler/localsgd/rank1.log", tmp_path, proc, 400)
+        _wait_for("tmp/runs-*/dbs_straggler/localsgd-0/rank1.log", tmp_path, proc, 400)
         assert [n for n in list_namespaces() if n.startswith(f"lhb-{proc.pid}-")]
         assert not cgroup or list(Path("/sys/fs/cgroup").glob(f"**/lhb-{proc.pid}-r1"))
         proc.send_signal(signal.SIGTERM)
