@@ -7,10 +7,14 @@ Importing the package registers every strategy name with Lightning, so
 from lightning_hier.strategies import (
     STRATEGIES,
     DBSStrategy,
+    DecoupledStrategy,
+    EasgdStrategy,
+    GrawaStrategy,
     Grid2DStrategy,
     HierStrategy,
     HPSGDStrategy,
     LocalSGDStrategy,
+    LsgdStrategy,
     register_all,
 )
 from lightning_hier.topology import Topology
@@ -22,10 +26,14 @@ register_all()
 __all__ = [
     "STRATEGIES",
     "DBSStrategy",
+    "DecoupledStrategy",
+    "EasgdStrategy",
+    "GrawaStrategy",
     "Grid2DStrategy",
     "HPSGDStrategy",
     "HierStrategy",
     "LocalSGDStrategy",
+    "LsgdStrategy",
     "Topology",
     "__version__",
 ]

@@ -54,3 +54,19 @@ class ParamRecorder(Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         self.steps.append(trainer.global_step)
         self.params.append(flat_params(pl_module))
+
+
+def assert_resumed_run_matches(
+    full: list[dict], resumed: list[dict], after_step: int, until_step: int | None = None
+) -> None:
+    """Every rank's resumed run repeats the uninterrupted one bit for bit after ``after_step``.
+
+    ``full`` and ``resumed`` hold, per rank, the ``steps`` and ``params`` of a :class:`ParamRecorder`;
+    parameters are compared up to ``until_step`` (``None``: all).
+    """
+    for rank, (whole, part) in enumerate(zip(full, resumed, strict=True)):
+        tail = {s: p for s, p in zip(whole["steps"], whole["params"], strict=True) if s > after_step}
+        assert part["steps"] == sorted(tail), f"rank {rank} resumed at other steps"
+        for s, p in zip(part["steps"], part["params"], strict=True):
+            if until_step is None or s <= until_step:
+                assert torch.equal(p, tail[s]), f"rank {rank} differs at step {s}"

@@ -1,38 +1,79 @@
-"""Periodic model averaging: the shared mechanism of Local SGD and its weighted relatives.
+"""Periodic model averaging: one mechanism, four policies (Local SGD, EASGD, LSGD, GRAWA).
 
-Local SGD (Stich, "Local SGD Converges Fast and Communicates Little", ICLR 2019; Lin et al.,
-"Don't Use Large Mini-Batches, Use Local SGD", ICLR 2020): every worker takes ``tau`` optimizer
-steps on its own replica, then every replica is replaced by the uniform average over the
-data-parallel group. Communication: P floats every ``tau`` steps, nothing in between (DDP: P
-floats every step).
+Every worker trains its own replica ``x`` and, every ``tau`` optimizer steps, all workers of the
+data-parallel group run one *round*::
 
-Pure torch: usable from a plain training loop::
+    c       = combine(x_1, ..., x_W)          # the policy: uniform mean, weighted mean, leader's replica
+    x      <- x + lam (T - x)                 # the pull (foreach lerp); T = c, or the old center (EASGD)
+    center <- center + mu (c - center)        # mu = 1, EASGD: its moving rate beta
 
-    avg = LocalSGD(model.parameters(), group=None, tau=8)   # group=None: one worker, no-op
+and, after every optimizer step when ``rho > 0``, the proximal pull ``x <- x + (rho / tau) (center - x)``.
+Communication per round: P floats (plus a few per-rank scalars), nothing in between (DDP: P
+floats every step). The policies, each a :class:`CenterPolicy`:
+
+- :class:`UniformCenter`, Local SGD (Stich, "Local SGD Converges Fast and Communicates Little",
+  ICLR 2019; Lin et al., "Don't Use Large Mini-Batches, Use Local SGD", ICLR 2020): ``c`` is the
+  mean, ``lam = 1``.
+- :class:`ElasticCenter`, EASGD (Zhang, Choromanska, LeCun, "Deep learning with Elastic Averaging
+  SGD", NeurIPS 2015): ``x <- x - alpha (x - center)`` and ``center <- center + beta (mean(x) - center)``
+  with the pre-pull ``x``; ``alpha = beta / W``.
+- :class:`LeaderCenter`, LSGD (Teng et al., "Leader Stochastic Gradient Descent for Distributed
+  Training of Deep Learning Models", NeurIPS 2019): ``c`` is the replica of the worker with the
+  lowest running training loss, broadcast.
+- :class:`~lightning_hier.algorithms.grawa.GradientWeightedCenter`, GRAWA (Dimlioglu and
+  Choromanska, AISTATS 2024): ``c`` is a mean weighted by inverse gradient norms.
+
+Pure torch, usable from a plain training loop::
+
+    avg = PeriodicAveraging(model.parameters(), group=None, policy=UniformCenter(), tau=8)
     for x, y in data:
-        loss_fn(model(x), y).backward(); opt.step(); opt.zero_grad()
-        avg.step()
-    avg.finalize()
+        loss = loss_fn(model(x), y); loss.backward(); opt.step(); opt.zero_grad()
+        avg.observe(loss)          # only LSGD uses it
+        avg.step()                 # GRAWA: avg.step(norms=...) to probe the gradient norms
+    avg.finalize()                 # every replica now holds the consensus model
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_hier.comm import CommStats, FlatTensors, all_reduce_mean_
+from lightning_hier.algorithms.centers import (
+    CenterPolicy,
+    ElasticCenter,
+    LeaderCenter,
+    RoundContext,
+    RoundReport,
+    UniformCenter,
+)
+from lightning_hier.algorithms.grawa import grad_norms
+from lightning_hier.comm import CommStats, FlatTensors, all_reduce_mean_, all_reduce_sum_, group_size
 from lightning_hier.comm.collectives import Group
+
+__all__ = [
+    "CenterPolicy",
+    "ElasticCenter",
+    "LeaderCenter",
+    "LocalSGD",
+    "PeriodicAveraging",
+    "PeriodicSchedule",
+    "RoundReport",
+    "UniformCenter",
+    "float_buffers",
+    "pull_",
+]
 
 
 class PeriodicSchedule:
     """Counts optimizer steps and fires every ``tau`` of them.
 
     Args:
-        tau: Period in optimizer steps (>= 1).
+        tau: Period in optimizer steps (>= 1). May be changed between rounds (a pull schedule).
     """
 
     def __init__(self, tau: int) -> None:
@@ -65,15 +106,215 @@ def float_buffers(module: nn.Module) -> list[Tensor]:
     return [b for b in module.buffers() if b.is_floating_point()]
 
 
-class LocalSGD:
-    """Uniform model averaging every ``tau`` optimizer steps.
+@torch.no_grad()
+def pull_(x: Sequence[Tensor], target: Sequence[Tensor], strength: float) -> None:
+    """``x <- x + strength (target - x)`` for every tensor, in place (one foreach lerp).
+
+    ``strength = 1`` gives exactly ``target`` (torch's lerp is exact at weight 1).
+    """
+    torch._foreach_lerp_(list(x), list(target), strength)
+
+
+class PeriodicAveraging:
+    """The round mechanism shared by every policy (see the module docstring).
+
+    Args:
+        params: The replica's parameters; they become views of persistent flat buckets.
+        group: Data-parallel group to average over (``None``: a single worker).
+        policy: How a round combines the replicas (:class:`CenterPolicy`).
+        tau: Period in optimizer steps.
+        lam: Pull strength in (0, 1] (``None``: the policy's default, e.g. 1 for Local SGD).
+        rho: Proximal strength in [0, 1]: after every step ``x <- x + (rho / tau) (center - x)``.
+        buffers: Extra tensors averaged uniformly at every round (e.g. :func:`float_buffers` of the
+            model for BatchNorm statistics); empty to leave them local.
+        bucket_bytes: Bucket size bound for the flat buffers (``None``: one per dtype).
+        stats: Communication accounting to update.
+
+    ``lam``, ``rho`` and ``schedule.tau`` may be changed between steps (a pull schedule); every
+    rank must make the same change.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Tensor],
+        group: Group,
+        policy: CenterPolicy,
+        tau: int,
+        lam: float | None = None,
+        rho: float = 0.0,
+        buffers: Iterable[Tensor] = (),
+        bucket_bytes: int | None = None,
+        stats: CommStats | None = None,
+    ) -> None:
+        self.group = group
+        self.world = group_size(group)
+        self.rank = 0 if group is None else dist.get_rank(group)
+        self.policy = policy
+        self.schedule = PeriodicSchedule(tau)
+        self.lam = policy.default_lam(self.world) if lam is None else lam
+        self.rho = rho
+        _check_strengths(self.lam, self.rho)
+        self.stats = stats if stats is not None else CommStats()
+        self.flat = FlatTensors(list(params), bucket_bytes)
+        extra = list(buffers)
+        self.flat_buffers = FlatTensors(extra, bucket_bytes) if extra else None
+        # the replicas start equal, so the initial center is the initial model
+        self.center: list[Tensor] | None = self.flat.clone() if policy.keeps_center or rho > 0 else None
+        self._replicas_equal = True  # until the first local step
+
+    # ------------------------------------------------------------------ per step
+    def observe(self, loss: Tensor) -> None:
+        """Record a training loss (call once per micro-batch; only LSGD uses it)."""
+        self.policy.observe(loss)
+
+    def step(self, norms: Callable[[], Tensor] | None = None) -> RoundReport | None:
+        """Call after every optimizer step: proximal pull, then a round when one is due.
+
+        Args:
+            norms: Returns this rank's per-parameter-tensor gradient norms when a policy needs
+                them (GRAWA), e.g. a probe (:func:`~lightning_hier.algorithms.grawa.probe_grad_norms`);
+                ``None``: the norms of the gradients in ``.grad`` (those of the step just taken).
+
+        Returns:
+            The round's report, or None when no round ran.
+        """
+        _check_strengths(self.lam, self.rho)
+        if self.rho > 0 and self.center is not None:
+            pull_(self.flat.buckets, self.center, self.rho / self.schedule.tau)
+        if not self.schedule.step():
+            return None
+        return self.sync(norms)
+
+    @torch.no_grad()
+    def sync(self, norms: Callable[[], Tensor] | None = None) -> RoundReport:
+        """Run one round now (a collective on every rank of the group)."""
+        x = self.flat.buckets
+        c = self.flat.clone()
+        fields = self.policy.combine(c, self._context(fresh=True, norms=norms))
+        distance = self._consensus_distance(x, c)
+        target = self.center if self.policy.elastic and self.center is not None else c
+        pull_(x, target, self.lam)
+        if self.policy.elastic and self.center is not None:
+            pull_(self.center, c, self.policy.center_rate)
+        elif self.policy.keeps_center or self.rho > 0:
+            self.center = c
+        else:
+            self.center = None
+        if self.flat_buffers is not None:
+            all_reduce_mean_(self.flat_buffers.buckets, self.group, self.stats)
+        self._replicas_equal = self.lam == 1.0 and not self.policy.elastic  # every replica is now c
+        report = RoundReport(
+            round=self.schedule.rounds,
+            step=self.schedule.steps,
+            lam=self.lam,
+            consensus_distance=distance,
+            bytes=self.stats.bytes,
+            world=self.world,
+            **fields,
+        )
+        self.schedule.synced()
+        return report
+
+    def _context(self, fresh: bool, norms: Callable[[], Tensor] | None = None) -> RoundContext:
+        probe = norms if norms is not None else (lambda: grad_norms(self.flat.tensors))
+        return RoundContext(self.group, self.world, self.rank, self.stats, self.flat, fresh, probe)
+
+    def _consensus_distance(self, x: list[Tensor], c: list[Tensor]) -> float:
+        norms = torch._foreach_norm(torch._foreach_sub(x, c))
+        total = torch.stack(norms).double().pow(2).sum().reshape(1)
+        all_reduce_sum_([total], self.group, self.stats)
+        return float(total.div(self.world).sqrt())
+
+    # ------------------------------------------------------------------ consensus model
+    @torch.no_grad()
+    def _consensus_params(self) -> list[Tensor] | None:
+        """The consensus model's buckets, or None when this replica already is it (a collective)."""
+        if self.policy.elastic:
+            return self.center
+        if self.schedule.since_sync == 0:
+            if self._replicas_equal:
+                return None
+            if self.center is not None:
+                # the pulled replicas x'_w = x_w + lam (c - x_w) combine to c: sum_w w_w x'_w = c
+                # (exactly in exact arithmetic), so the stored c is the consensus, without communication
+                return self.center
+        if self.group is None:
+            return None
+        c = self.flat.clone()
+        self.policy.combine(c, self._context(fresh=False))
+        return c
+
+    @torch.no_grad()
+    def _consensus_buffers(self) -> list[Tensor] | None:
+        if self.flat_buffers is None or self.schedule.since_sync == 0 or self.group is None:
+            return None
+        mean = self.flat_buffers.clone()
+        all_reduce_mean_(mean, self.group, self.stats)
+        return mean
+
+    def _consensus_swaps(self) -> list[tuple[FlatTensors, list[Tensor]]]:
+        swaps = []
+        params = self._consensus_params()
+        if params is not None:
+            swaps.append((self.flat, params))
+        buffers = self._consensus_buffers()
+        if buffers is not None and self.flat_buffers is not None:
+            swaps.append((self.flat_buffers, buffers))
+        return swaps
+
+    @contextmanager
+    def consensus(self) -> Iterator[None]:
+        """Hold the consensus model in the replica while inside (e.g. to validate it), then restore it.
+
+        The consensus model is the EASGD center variable, or the policy's combination of the
+        current replicas with its latest weights (no new measurement); buffers are averaged.
+        """
+        swaps = self._consensus_swaps()
+        backups = [flat.clone() for flat, _ in swaps]
+        for flat, new in swaps:
+            flat.copy_(new)
+        try:
+            yield
+        finally:
+            for (flat, _), backup in zip(swaps, backups, strict=True):
+                flat.copy_(backup)
+
+    @torch.no_grad()
+    def finalize(self) -> None:
+        """End of training: every replica takes the consensus model (a collective)."""
+        for flat, new in self._consensus_swaps():
+            flat.copy_(new)
+        if self.center is not None and not self.policy.elastic:
+            self.center = self.flat.clone()
+        self.schedule.since_sync = 0
+        self._replicas_equal = not self.policy.elastic
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "schedule": self.schedule.state_dict(),
+            "center": None if self.center is None else [t.detach().clone() for t in self.center],
+            "replicas_equal": self._replicas_equal,
+            "policy": self.policy.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.schedule.load_state_dict(state["schedule"])
+        saved = state.get("center")
+        buckets = self.flat.buckets
+        self.center = None if saved is None else [t.to(b.device, b.dtype) for t, b in zip(saved, buckets, strict=True)]
+        self._replicas_equal = bool(state.get("replicas_equal", self.schedule.since_sync == 0))
+        self.policy.load_state_dict(state.get("policy", {}))
+
+
+class LocalSGD(PeriodicAveraging):
+    """Local SGD: uniform model averaging every ``tau`` optimizer steps (:class:`UniformCenter`, ``lam = 1``).
 
     Args:
         params: The replica's parameters; they become views of persistent flat buckets.
         group: Data-parallel group to average over (``None``: a single worker).
         tau: Averaging period in optimizer steps.
-        buffers: Extra tensors averaged at every round (e.g. :func:`float_buffers` of the model
-            for BatchNorm statistics); empty to leave them local.
+        buffers: Extra tensors averaged at every round (e.g. :func:`float_buffers`).
         bucket_bytes: Bucket size bound for the flat buffers (``None``: one per dtype).
         stats: Communication accounting to update.
     """
@@ -87,53 +328,11 @@ class LocalSGD:
         bucket_bytes: int | None = None,
         stats: CommStats | None = None,
     ) -> None:
-        self.group = group
-        self.schedule = PeriodicSchedule(tau)
-        self.stats = stats if stats is not None else CommStats()
-        self.flat = FlatTensors(list(params), bucket_bytes)
-        extra = list(buffers)
-        self.flat_buffers = FlatTensors(extra, bucket_bytes) if extra else None
+        super().__init__(params, group, UniformCenter(), tau, 1.0, 0.0, buffers, bucket_bytes, stats)
 
-    def _buckets(self) -> list[Tensor]:
-        return self.flat.buckets + (self.flat_buffers.buckets if self.flat_buffers is not None else [])
 
-    @torch.no_grad()
-    def _average(self) -> None:
-        all_reduce_mean_(self._buckets(), self.group, self.stats)
-
-    def step(self) -> bool:
-        """Call after every optimizer step; averages when a round is due. Returns whether it did."""
-        if not self.schedule.step():
-            return False
-        self.sync()
-        return True
-
-    def sync(self) -> None:
-        """Average now and start a new round."""
-        self._average()
-        self.schedule.synced()
-
-    def finalize(self) -> None:
-        """End of training: average the steps taken since the last round, so all replicas agree."""
-        if self.schedule.since_sync:
-            self.sync()
-
-    @contextmanager
-    def consensus(self) -> Iterator[None]:
-        """Hold the average in the replica while inside (e.g. to validate it), then restore the replica."""
-        if self.schedule.since_sync == 0 or self.group is None:
-            yield
-            return
-        backup = [b.clone() for b in self._buckets()]
-        self._average()
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                torch._foreach_copy_(self._buckets(), backup)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"schedule": self.schedule.state_dict()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.schedule.load_state_dict(state["schedule"])
+def _check_strengths(lam: float, rho: float) -> None:
+    if not 0.0 < lam <= 1.0:
+        raise ValueError(f"PeriodicAveraging: pull strength `lam` must be in (0, 1], got {lam!r}.")
+    if not 0.0 <= rho <= 1.0:
+        raise ValueError(f"PeriodicAveraging: proximal strength `rho` must be in [0, 1], got {rho!r}.")

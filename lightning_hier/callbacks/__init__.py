@@ -1,7 +1,8 @@
 """Callbacks: throughput and communication monitors (and the design card's algorithm callbacks)."""
 
 from lightning_hier.callbacks.dbs import DBSCallback
+from lightning_hier.callbacks.pull import PullToCenter
 from lightning_hier.callbacks.straggler import Straggler
 from lightning_hier.callbacks.throughput import ThroughputMonitor
 
-__all__ = ["DBSCallback", "Straggler", "ThroughputMonitor"]
+__all__ = ["DBSCallback", "PullToCenter", "Straggler", "ThroughputMonitor"]

@@ -1,4 +1,4 @@
-"""torch.distributed helpers: flat buffers, explicit-group collectives, accounting, failure reports.
+"""torch.distributed helpers: flat buffers, explicit-group collectives, P2P parcels, accounting, failure reports.
 
 This layer imports torch only (never lightning or hydra).
 """
@@ -16,12 +16,15 @@ from lightning_hier.comm.collectives import (
 )
 from lightning_hier.comm.failures import FailureBoard, is_communication_error
 from lightning_hier.comm.flat import FlatTensors, Segment
+from lightning_hier.comm.p2p import Mailbox, Parcel
 from lightning_hier.comm.stats import CommStats
 
 __all__ = [
     "CommStats",
     "FailureBoard",
     "FlatTensors",
+    "Mailbox",
+    "Parcel",
     "Segment",
     "all_reduce_mean_",
     "all_reduce_sum_",

@@ -3,12 +3,23 @@
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_hier.strategies._base import HierStrategy
-from lightning_hier.strategies.averaging import LocalSGDStrategy
+from lightning_hier.strategies.averaging import AveragingStrategy, EasgdStrategy, LocalSGDStrategy, LsgdStrategy
 from lightning_hier.strategies.dbs import DBSStrategy
+from lightning_hier.strategies.decoupled import DecoupledStrategy
+from lightning_hier.strategies.grawa import GrawaStrategy
 from lightning_hier.strategies.grid2d import Grid2DStrategy
 from lightning_hier.strategies.hpsgd import HPSGDStrategy
 
-STRATEGIES: tuple[type[HierStrategy], ...] = (LocalSGDStrategy, HPSGDStrategy, DBSStrategy, Grid2DStrategy)
+STRATEGIES: tuple[type[HierStrategy], ...] = (
+    LocalSGDStrategy,
+    EasgdStrategy,
+    LsgdStrategy,
+    GrawaStrategy,
+    HPSGDStrategy,
+    DBSStrategy,
+    DecoupledStrategy,
+    Grid2DStrategy,
+)
 
 
 def register_all() -> None:
@@ -19,10 +30,15 @@ def register_all() -> None:
 
 __all__ = [
     "STRATEGIES",
+    "AveragingStrategy",
     "DBSStrategy",
+    "DecoupledStrategy",
+    "EasgdStrategy",
+    "GrawaStrategy",
     "Grid2DStrategy",
     "HPSGDStrategy",
     "HierStrategy",
     "LocalSGDStrategy",
+    "LsgdStrategy",
     "register_all",
 ]

@@ -42,10 +42,11 @@ from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
+from torch.utils.data import DataLoader
 
 from lightning_hier import _validate as v
 from lightning_hier.comm import CommStats, FailureBoard, broadcast_, broadcast_object, gather_objects
@@ -249,12 +250,10 @@ class HierStrategy(ParallelStrategy):
                 self._apply_restored_state()
 
     def _apply_restored_state(self) -> None:
-        """Apply this rank's saved algorithm state, accounting and RNG (at the end of ``setup``)."""
+        """Apply this rank's saved algorithm state and accounting (the RNG waits for ``on_train_start``)."""
         assert self._restored is not None
         self._load_algorithm_state(self._restored.get("algorithm", {}))
         self.comm_stats.load_state_dict(self._restored["comm"])
-        # last: the RNG must continue exactly where the saved run was
-        restore_rng(self._restored["rng"])
 
     def model_to_device(self) -> None:
         assert self.model is not None
@@ -293,12 +292,19 @@ class HierStrategy(ParallelStrategy):
             )
         return self.optimizers[0]
 
-    def _log(self, metrics: dict[str, float]) -> None:
-        """Record per-round metrics; logged through the LightningModule when logging is allowed."""
+    def _log(self, metrics: dict[str, float], logger: bool = True) -> None:
+        """Record per-round metrics; logged through the LightningModule when logging is allowed.
+
+        Args:
+            metrics: Scalar metrics.
+            logger: Also hand them to the Trainer's loggers at Lightning's cadence
+                (``log_every_n_steps``); False keeps them in ``callback_metrics`` and the progress
+                bar only (for a strategy that writes them to the loggers itself, e.g. every round).
+        """
         self.last_metrics.update(metrics)
         module = self.lightning_module
         if module is not None and module._current_fx_name in ("optimizer_step", "training_step"):
-            module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
+            module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1, logger=logger)
 
     # ------------------------------------------------------------------ lifecycle hooks
     def on_validation_start(self) -> None:
@@ -311,7 +317,24 @@ class HierStrategy(ParallelStrategy):
             self._eval_stack = None
 
     def on_train_start(self) -> None:
-        self._restored = None  # everything restored by now (optimizer states come after setup)
+        if self._restored is not None:
+            restore_rng(self._restored["rng"])  # the last moment before training draws from it
+        self._restored = None  # everything is restored by now (optimizer states come after setup)
+
+    def process_dataloader(self, dataloader: object) -> object:
+        """Give the training DataLoader its own generator for iterator seeds.
+
+        Without one, every ``iter(loader)`` draws a seed from the global RNG, and whether Lightning
+        builds a throwaway iterator after a resume depends on where in the loop the checkpoint was
+        taken; the global stream (dropout, augmentation) would then shift by one draw. The
+        generator is seeded without drawing from the global RNG.
+        """
+        trainer = self.lightning_module._trainer if self.lightning_module is not None else None
+        training = trainer is not None and trainer.state.stage == RunningStage.TRAINING
+        if training and isinstance(dataloader, DataLoader) and dataloader.generator is None:
+            seed = (torch.initial_seed() + 1_000_003 * self.global_rank) % 2**63
+            dataloader.generator = torch.Generator().manual_seed(seed)
+        return dataloader
 
     def on_train_end(self) -> None:
         self._finalize_algorithm()
@@ -363,7 +386,8 @@ class HierStrategy(ParallelStrategy):
         """
         filepath = self.broadcast(filepath)
         if "optimizer_states" in checkpoint:  # a full checkpoint, not weights_only
-            states = gather_objects(self._rank_state(checkpoint), dst=0, group=dist.group.WORLD)
+            with self._replicas_in_place():
+                states = gather_objects(self._rank_state(checkpoint), dst=0, group=dist.group.WORLD)
             if self.is_global_zero:
                 assert states is not None
                 checkpoint[ckpt.STATE_KEY] = ckpt.strategy_section(
@@ -375,6 +399,23 @@ class HierStrategy(ParallelStrategy):
             ckpt.atomic_save(checkpoint, filepath)
         else:
             self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @contextmanager
+    def _replicas_in_place(self) -> Iterator[None]:
+        """Put the replicas back while inside validation's consensus (a checkpoint saved there).
+
+        Each rank must store its own replica, not the consensus it is validating; the consensus is
+        entered again afterwards (a collective for some algorithms: every rank saves together).
+        """
+        if self._eval_stack is None:
+            yield
+            return
+        self._eval_stack.close()
+        try:
+            yield
+        finally:
+            self._eval_stack = ExitStack()
+            self._eval_stack.enter_context(self._consensus())
 
     def _rank_state(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
         assert self.lightning_module is not None

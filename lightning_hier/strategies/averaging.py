@@ -1,35 +1,158 @@
-"""Lightning adapters of the model-averaging family.
+"""Lightning adapters of the model-averaging family (one mechanism, one adapter, four policies).
 
-:class:`LocalSGDStrategy` (registered as ``localsgd``, ``localsgd_spawn``, ``localsgd_fork``):
-Local SGD, uniform averaging every ``tau`` optimizer steps (Stich, ICLR 2019; Lin et al.,
-ICLR 2020). The algorithm lives in :mod:`lightning_hier.algorithms.averaging`.
+- :class:`LocalSGDStrategy` (``localsgd``): uniform average every ``tau`` steps (Stich, ICLR
+  2019; Lin et al., ICLR 2020).
+- :class:`EasgdStrategy` (``easgd``): elastic averaging with a center variable (Zhang, Choromanska,
+  LeCun, NeurIPS 2015).
+- :class:`LsgdStrategy` (``lsgd``): pull toward the leader, the replica with the lowest running
+  loss (Teng et al., NeurIPS 2019).
+- :class:`~lightning_hier.strategies.grawa.GrawaStrategy` (``grawa``, ``mgrawa``, ``lgrawa``):
+  gradient-weighted center (Dimlioglu and Choromanska, AISTATS 2024).
+
+Each name also exists as ``name_spawn`` and ``name_fork``. The math is in
+:mod:`lightning_hier.algorithms.averaging`; :class:`AveragingStrategy` adapts it once for all
+policies: it advances the algorithm once per real optimizer step (gradient accumulation does not
+change the cadence), asks the :class:`~lightning_hier.callbacks.PullToCenter` callback for the
+pull schedule and what to log, evaluates and saves the consensus model, and checkpoints every
+replica with its center, norm EMAs and counters.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from torch import Tensor
+
 from lightning_hier import _validate as v
-from lightning_hier.algorithms.averaging import LocalSGD, float_buffers
+from lightning_hier.algorithms.averaging import PeriodicAveraging, float_buffers
+from lightning_hier.algorithms.centers import CenterPolicy, ElasticCenter, LeaderCenter, RoundReport, UniformCenter
+from lightning_hier.callbacks.pull import PullToCenter
 from lightning_hier.strategies._algorithm import AlgorithmStrategy
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
     import lightning.pytorch as pl
     from torch import nn
     from torch.optim import Optimizer
 
 
-class LocalSGDStrategy(AlgorithmStrategy[LocalSGD]):
+class AveragingStrategy(AlgorithmStrategy[PeriodicAveraging]):
+    """Shared adapter of the averaging strategies (not registered itself).
+
+    Subclasses validate their arguments, call :meth:`_configure` and implement :meth:`_policy`.
+    Finalisation, the consensus model and checkpoint state are forwarded to ``self.algorithm``
+    by :class:`~lightning_hier.strategies._algorithm.AlgorithmStrategy`.
+    """
+
+    pull: PullToCenter | None = None
+
+    def _configure(
+        self, tau: int, lam: float | None, rho: float, sync_buffers: bool, bucket_size_mb: float, lam_name: str = "lam"
+    ) -> None:
+        owner = type(self).__name__
+        self.tau = v.check_int(owner, "tau", tau, minimum=1)
+        self.lam = None if lam is None else v.check_float(owner, lam_name, lam, 0.0, 1.0, low_inclusive=False)
+        self.rho = v.check_float(owner, "rho", rho, 0.0, 1.0)
+        self.sync_buffers = v.check_bool(owner, "sync_buffers", sync_buffers)
+        self.bucket_size_mb = v.check_float(owner, "bucket_size_mb", bucket_size_mb, low=0.0, low_inclusive=False)
+        self._step_args: tuple[tuple[Any, ...], dict[str, Any]] | None = None
+        self._base_lam = 1.0
+
+    def _policy(self) -> CenterPolicy:
+        """How a round combines the replicas."""
+        raise NotImplementedError
+
+    def _norms(self) -> Callable[[], Tensor] | None:
+        """Gradient-norm probe for policies that need one (``None``: the step's own gradients)."""
+        return None
+
+    # ------------------------------------------------------------------ set-up and steps
+    def _setup_algorithm(self, trainer: pl.Trainer) -> None:
+        self._require_single_optimizer()
+        module: nn.Module = self.lightning_module  # type: ignore[assignment]
+        self.pull = _pull_callback(trainer)
+        self.algorithm = PeriodicAveraging(
+            module.parameters(),
+            group=self.groups.data,
+            policy=self._policy(),
+            tau=self.tau,
+            lam=self.lam,
+            rho=self.rho,
+            buffers=float_buffers(module) if self.sync_buffers else (),
+            bucket_bytes=int(self.bucket_size_mb * 2**20),
+            stats=self.comm_stats,
+        )
+        self._base_lam = self.algorithm.lam
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().training_step(*args, **kwargs)
+        if self.algorithm is not None:
+            self._step_args = (args, kwargs)  # the probe batch of GRAWA (probe='batch')
+            loss = loss_of(output)
+            if loss is not None:
+                self.algorithm.observe(loss)  # LSGD elects its leader from the running loss
+        return output
+
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        assert self.algorithm is not None and self.pull is not None
+        self._apply_pull_schedule(self.algorithm, self.pull)
+        report = self.algorithm.step(self._norms())
+        if report is not None:
+            self._log_round(self.pull, report)
+        return output
+
+    def _log_round(self, pull: PullToCenter, report: RoundReport) -> None:
+        module = self.lightning_module
+        assert module is not None
+        trainer = module.trainer
+        metrics = pull.on_round(trainer, module, report)
+        # rounds are rare and seldom fall on Lightning's log_every_n_steps: write each one itself
+        self._log(metrics, logger=not pull.log_every_round)
+        if pull.log_every_round and trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=trainer.global_step)  # Lightning's step of this batch
+
+    def _apply_pull_schedule(self, algorithm: PeriodicAveraging, pull: PullToCenter) -> None:
+        owner, schedule = type(pull).__name__, algorithm.schedule
+        lam = pull.lam_at(schedule.rounds, self._base_lam)
+        algorithm.lam = v.check_float(owner, "lam", lam, 0.0, 1.0, low_inclusive=False)
+        algorithm.rho = v.check_float(owner, "rho", pull.rho_at(schedule.steps, self.rho), 0.0, 1.0)
+        schedule.tau = v.check_int(owner, "tau", pull.tau_at(schedule.rounds, self.tau), minimum=1)
+
+    def _finalize_algorithm(self) -> None:
+        self._step_args = None  # the probe batch is not needed after training
+        super()._finalize_algorithm()
+
+
+def loss_of(output: Any) -> Tensor | None:
+    """The loss in a ``training_step`` output (a tensor, or a mapping with ``'loss'``)."""
+    if isinstance(output, Tensor):
+        return output
+    if isinstance(output, Mapping) and isinstance(output.get("loss"), Tensor):
+        return output["loss"]
+    return None
+
+
+def _pull_callback(trainer: pl.Trainer) -> PullToCenter:
+    found = [c for c in trainer.callbacks if isinstance(c, PullToCenter)]  # type: ignore[attr-defined]
+    if len(found) > 1:
+        raise ValueError(f"Trainer has {len(found)} PullToCenter callbacks; an averaging strategy uses one.")
+    return found[0] if found else PullToCenter()
+
+
+_COMMON_ARGS = """        sync_buffers: Average floating-point buffers (BatchNorm statistics) uniformly at every round.
+        bucket_size_mb: Size bound of the flat buffers reduced in one call (MiB).
+        **kwargs: See :class:`~lightning_hier.strategies._base.HierStrategy` (``timeout``,
+            ``start_method``, ...)."""
+
+
+class LocalSGDStrategy(AveragingStrategy):
     """Local SGD: replicas train independently and are averaged every ``tau`` steps.
 
     Args:
         tau: Averaging period in optimizer steps (gradient accumulation does not change it).
-        sync_buffers: Also average floating-point buffers (BatchNorm statistics) at each round.
-        bucket_size_mb: Size bound of the flat buffers reduced in one call (MiB).
-        **kwargs: See :class:`~lightning_hier.strategies._base.HierStrategy` (``timeout``,
-            ``start_method``, ...).
+    {common}
 
     Example:
         >>> import lightning.pytorch as pl
@@ -41,29 +164,78 @@ class LocalSGDStrategy(AlgorithmStrategy[LocalSGD]):
 
     def __init__(self, tau: int = 8, sync_buffers: bool = True, bucket_size_mb: float = 25.0, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        owner = type(self).__name__
-        self.tau = v.check_int(owner, "tau", tau, minimum=1)
-        self.sync_buffers = v.check_bool(owner, "sync_buffers", sync_buffers)
-        self.bucket_size_mb = v.check_float(owner, "bucket_size_mb", bucket_size_mb, low=0.0, low_inclusive=False)
-        self.algorithm = None
+        self._configure(tau, 1.0, 0.0, sync_buffers, bucket_size_mb)
 
-    def _setup_algorithm(self, trainer: pl.Trainer) -> None:
-        self._require_single_optimizer()
-        module: nn.Module = self.lightning_module  # type: ignore[assignment]
-        self.algorithm = LocalSGD(
-            module.parameters(),
-            group=self.groups.data,
-            tau=self.tau,
-            buffers=float_buffers(module) if self.sync_buffers else (),
-            bucket_bytes=int(self.bucket_size_mb * 2**20),
-            stats=self.comm_stats,
-        )
+    def _policy(self) -> CenterPolicy:
+        return UniformCenter()
 
-    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        assert self.algorithm is not None
-        if self.algorithm.step():
-            self._log(
-                {"comm/rounds": float(self.algorithm.schedule.rounds), "comm/bytes": float(self.comm_stats.bytes)}
-            )
-        return output
+
+class EasgdStrategy(AveragingStrategy):
+    """EASGD: every ``tau`` steps an elastic force moves each replica and a center variable toward each other.
+
+    Per round, with the pre-pull replicas: ``x -= alpha (x - center)``, ``center += beta (mean(x) - center)``.
+    Validation, checkpoints' ``state_dict`` and the model after fit are the center variable.
+
+    Args:
+        tau: Period in optimizer steps.
+        beta: Moving rate of the center, in (0, 1].
+        alpha: Pull of each replica toward the center, in (0, 1]; ``None``: ``beta / W`` (the
+            paper's symmetric choice, W = number of data-parallel replicas).
+        rho: Optional proximal pull toward the center after every step (``rho / tau`` per step).
+    {common}
+    """
+
+    strategy_name = "easgd"
+
+    def __init__(
+        self,
+        tau: int = 4,
+        beta: float = 0.1,
+        alpha: float | None = None,
+        rho: float = 0.0,
+        sync_buffers: bool = True,
+        bucket_size_mb: float = 25.0,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.beta = v.check_float(type(self).__name__, "beta", beta, 0.0, 1.0, low_inclusive=False)
+        self._configure(tau, alpha, rho, sync_buffers, bucket_size_mb, lam_name="alpha")
+
+    def _policy(self) -> CenterPolicy:
+        return ElasticCenter(self.beta)
+
+
+class LsgdStrategy(AveragingStrategy):
+    """LSGD: every ``tau`` steps each replica is pulled toward the leader (lowest running training loss).
+
+    The leader's replica is broadcast; ``x += lam (x_leader - x)``. The running loss of a rank is
+    the mean of its training losses since the previous round. The consensus model (validation,
+    saved weights, the model after fit) is the current leader's replica.
+
+    Args:
+        tau: Period in optimizer steps.
+        lam: Pull strength toward the leader, in (0, 1].
+        rho: Proximal pull toward the last leader after every step (``rho / tau`` per step).
+    {common}
+    """
+
+    strategy_name = "lsgd"
+
+    def __init__(
+        self,
+        tau: int = 4,
+        lam: float = 0.1,
+        rho: float = 0.1,
+        sync_buffers: bool = True,
+        bucket_size_mb: float = 25.0,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self._configure(tau, lam, rho, sync_buffers, bucket_size_mb)
+
+    def _policy(self) -> CenterPolicy:
+        return LeaderCenter()
+
+
+for _cls in (LocalSGDStrategy, EasgdStrategy, LsgdStrategy):
+    _cls.__doc__ = (_cls.__doc__ or "").replace("    {common}", _COMMON_ARGS)

@@ -181,7 +181,7 @@ class DBSStrategy(HierStrategy):
             )
         self._check_split(global_batch, source)
         allocation = self.algorithm.bind(global_batch)
-        return dynamic_batch_loader(dataloader, allocation, seed=_global_seed())
+        return super().process_dataloader(dynamic_batch_loader(dataloader, allocation, seed=_global_seed()))
 
     # ------------------------------------------------------------------ per step
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:

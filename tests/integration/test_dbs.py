@@ -10,7 +10,7 @@ from lightning_hier import DBSStrategy
 from lightning_hier.callbacks import DBSCallback, Straggler
 from lightning_hier.models import Classifier, mlp
 from lightning_hier.testing import WorkerFailed, run_workers
-from tests.helpers import ParamRecorder, digits, digits_classifier, flat_params, trainer
+from tests.helpers import ParamRecorder, assert_resumed_run_matches, digits, digits_classifier, flat_params, trainer
 
 N, B, EPOCHS, SEED = 200, 24, 3, 7
 
@@ -180,14 +180,9 @@ def test_resume_restores_the_split_and_estimates_and_continues_bit_identically(t
     assert saved[0]["sizes"] == saved[1]["sizes"] != [64, 64]  # a measured, unequal split
     assert saved[0]["steps"] == 22 and saved[0]["meter"]["estimate"] > 0 and saved[1]["meter"]["estimate"] > 0
     resumed = run_workers(_fit_with_checkpoints, str(tmp_path / "b"), str(ckpt_path), devices=2)
-    for rank in range(2):
-        assert resumed[rank]["restored"] == saved[rank]
-        tail = {s: p for s, p in zip(full[rank]["steps"], full[rank]["params"], strict=True) if s > 22}
-        assert resumed[rank]["steps"] == sorted(tail)
-        # until the next rebalance (after step 32, from timings) the split is the saved one
-        for s, p in zip(resumed[rank]["steps"], resumed[rank]["params"], strict=True):
-            if s <= 32:
-                assert torch.equal(p, tail[s]), f"rank {rank} differs at step {s}"
+    assert [r["restored"] for r in resumed] == saved
+    # until the next rebalance (after step 32, from timings) the split is the saved one
+    assert_resumed_run_matches(full, resumed, after_step=22, until_step=32)
     with pytest.raises(WorkerFailed, match=r"written with a global batch of 128 over 2 ranks .* this run has 96"):
         run_workers(_fit_with_checkpoints, str(tmp_path / "c"), str(ckpt_path), 96, devices=2)
 

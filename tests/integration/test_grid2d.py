@@ -13,7 +13,7 @@ from lightning_hier.layers import GridLinear, full_state_dict
 from lightning_hier.models import Classifier, mlp, small_cnn
 from lightning_hier.planner import Link, best_grid, model_layers
 from lightning_hier.testing import WorkerFailed, run_workers
-from tests.helpers import ParamRecorder, digits, flat_params, trainer
+from tests.helpers import ParamRecorder, assert_resumed_run_matches, digits, flat_params, trainer
 
 EPOCHS, LR = 5, 0.05
 
@@ -97,11 +97,7 @@ def test_resume_continues_bit_identically(checkpointed_run, tmp_path):
     path, full = checkpointed_run
     resumed = run_workers(_fit_with_checkpoints, str(tmp_path), str(path / "a" / "epoch=0.ckpt"), devices=4)
     first = full[0]["steps"][len(full[0]["steps"]) // 3 - 1]  # the last step of epoch 0
-    for rank in range(4):
-        tail = {s: p for s, p in zip(full[rank]["steps"], full[rank]["params"], strict=True) if s > first}
-        assert resumed[rank]["steps"] == sorted(tail)
-        for s, p in zip(resumed[rank]["steps"], resumed[rank]["params"], strict=True):
-            assert torch.equal(p, tail[s]), f"rank {rank} differs at step {s}"
+    assert_resumed_run_matches(full, resumed, after_step=first)
 
 
 def test_validate_from_an_ordinary_checkpoint_shards_it(checkpointed_run):

@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_hier import LocalSGDStrategy
 from lightning_hier.models import Classifier, mlp
 from lightning_hier.testing import WorkerFailed, run_workers
-from tests.helpers import ParamRecorder, digits, digits_classifier, flat_params, trainer
+from tests.helpers import ParamRecorder, assert_resumed_run_matches, digits, digits_classifier, flat_params, trainer
 
 W, N, BATCH, TAU, EPOCHS = 2, 48, 8, 4, 2
 
@@ -87,11 +87,14 @@ def test_ranks_agree_at_every_round_and_at_the_end():
     assert torch.equal(r0["final"], r1["final"])
 
 
-def _fit_with_checkpoints(ckpt_dir: str, resume: str | None) -> dict:
+def _fit_with_checkpoints(ckpt_dir: str, resume: str | None, in_validation: bool = False) -> dict:
     torch.manual_seed(0)
     rec = ParamRecorder()
     module = digits_classifier(dropout=0.2)  # dropout and augmentation consume the RNG
-    callbacks = [rec, ModelCheckpoint(dirpath=ckpt_dir, save_top_k=-1, filename="{epoch}")]
+    checkpoint = ModelCheckpoint(
+        dirpath=ckpt_dir, save_top_k=-1, filename="{epoch}", save_on_train_epoch_end=not in_validation
+    )
+    callbacks = [rec, checkpoint]
     t = trainer(
         strategy=LocalSGDStrategy(tau=5, timeout=30), max_epochs=4, callbacks=callbacks, enable_checkpointing=True
     )
@@ -99,15 +102,14 @@ def _fit_with_checkpoints(ckpt_dir: str, resume: str | None) -> dict:
     return {"steps": rec.steps, "params": rec.params}
 
 
-def test_resume_continues_bit_identically(tmp_path):
-    # 11 steps per epoch, tau=5: at the end of epoch 2 (step 22) replicas differ (2 local steps)
-    full = run_workers(_fit_with_checkpoints, str(tmp_path / "a"), None, devices=2)
-    resumed = run_workers(_fit_with_checkpoints, str(tmp_path / "b"), str(tmp_path / "a" / "epoch=1.ckpt"), devices=2)
-    for rank in range(2):
-        tail = {s: p for s, p in zip(full[rank]["steps"], full[rank]["params"], strict=True) if s > 22}
-        assert resumed[rank]["steps"] == sorted(tail)
-        for s, p in zip(resumed[rank]["steps"], resumed[rank]["params"], strict=True):
-            assert torch.equal(p, tail[s]), f"rank {rank} differs at step {s}"
+@pytest.mark.parametrize("in_validation", [False, True], ids=["train_epoch_end", "inside_validation"])
+def test_resume_continues_bit_identically(tmp_path, in_validation):
+    # 11 steps per epoch, tau=5: at the end of epoch 2 (step 22) replicas differ (2 local steps).
+    # Saved inside validation, the module holds the consensus: the replicas must still be stored.
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    full = run_workers(_fit_with_checkpoints, a, None, in_validation, devices=2)
+    resumed = run_workers(_fit_with_checkpoints, b, f"{a}/epoch=1.ckpt", in_validation, devices=2)
+    assert_resumed_run_matches(full, resumed, after_step=22)
 
 
 def test_checkpoint_loads_weights_only_and_holds_every_replica(tmp_path):

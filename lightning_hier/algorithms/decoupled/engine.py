@@ -1,0 +1,342 @@
+"""The lock-step engine of one pipeline stage (one rank of the N x K grid).
+
+Every rank calls :meth:`DecoupledPipeline.step` once per iteration, all ranks in lock-step. On
+stage ``k`` an iteration is:
+
+1. **input**: stage 0 takes the next batch; a later stage takes the activation (and the labels,
+   which travel with it) that arrived at the end of the previous iteration (``fdg``), or waits for
+   it from stage ``k - 1`` within this iteration (``ddg``, ``sync``: the forward is locked);
+2. **forward**: the last stage computes the loss, backpropagates at once, all-reduces the gradient
+   over its data-parallel group and applies it; any other stage pushes ``(batch, input, weight
+   version)`` into its FIFO and passes the activation on;
+3. **delayed backward** (stages ``k < K - 1``): if the gradient of the oldest FIFO entry arrived
+   (at the end of the previous iteration; within this one for ``sync``), it is multiplied by
+   ``beta``, backpropagated at the entry's weight version, all-reduced and applied; the input
+   gradient and the batch's loss go on to stage ``k - 1``;
+4. **exchange**: the decoupled messages (activations for ``fdg``, gradients for ``fdg``/``ddg``) to
+   and from both neighbours, posted together (``batch_isend_irecv``, preallocated buffers).
+
+No update happens on a stage before its first gradient arrives, so momentum and weight decay do
+not move weights during the warm-up. :meth:`drain` runs the iterations without new input that
+apply every batch still in flight; afterwards every FIFO is empty and the pipeline restarts its
+iteration and batch counters.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lightning_hier.algorithms.decoupled.schedule import Schedule
+from lightning_hier.algorithms.decoupled.stage import InFlight, StageRunner
+from lightning_hier.comm import CommStats, all_reduce_mean_
+from lightning_hier.comm.p2p import Mailbox, Parcel
+
+Group = dist.ProcessGroup | None
+LossFn = Callable[[Tensor, Tensor], Tensor]
+Apply = Callable[[], None]
+
+
+@dataclass(frozen=True)
+class IterationReport:
+    """What one stage did in one iteration (batch ids count from 0 since the pipeline was last empty)."""
+
+    iteration: int
+    forwarded: int | None
+    applied: int | None
+    loss: float | None
+    rows: int
+    in_flight: int
+
+
+@dataclass
+class _Done:
+    """Result of the backward part of an iteration."""
+
+    batch: int
+    loss: float
+    rows: int
+    outgoing: Parcel | None
+
+
+class DecoupledPipeline:
+    """One stage of a pipeline trained with delayed gradients (see the module docstring).
+
+    Args:
+        stage: This rank's blocks (its parameters become views of flat buckets).
+        stage_index: ``k``, 0-based.
+        stage_ranks: Global ranks of the ``K`` stages of this rank's replica, in stage order.
+        pipe_group: Process group of ``stage_ranks`` (``None`` when ``K == 1``).
+        data_group: The data-parallel group of this stage (``None`` without replicas).
+        schedule: ``'fdg'``, ``'ddg'`` or ``'sync'`` (see :mod:`.schedule`).
+        weights: ``'stash'``, ``'recompute'`` or ``'legacy'`` (see :mod:`.stage`).
+        beta: Gradient shrinking: every stage but the last multiplies the incoming gradient by
+            ``beta``, so stage ``k``'s gradients are scaled by ``beta ** (K - 1 - k)``.
+        loss_fn: ``loss_fn(output, target) -> scalar`` on the last stage (cross-entropy by default).
+        stats: Communication accounting.
+
+    Example (plain loop on each rank; every stage of a replica iterates the same loader)::
+
+        pipe = DecoupledPipeline(blocks_of_my_stage, stage_index=k, stage_ranks=[0, 1], pipe_group=group)
+
+        def apply() -> None:  # called when the averaged gradient is in the parameters' .grad
+            optimizer.step()
+
+        for batch in loader:
+            pipe.step(batch, apply)
+        pipe.drain(apply)  # every batch applied once; all FIFOs empty
+    """
+
+    def __init__(
+        self,
+        stage: nn.Module,
+        *,
+        stage_index: int,
+        stage_ranks: Sequence[int],
+        pipe_group: Group = None,
+        data_group: Group = None,
+        schedule: str = "fdg",
+        weights: str = "stash",
+        beta: float = 1.0,
+        loss_fn: LossFn | None = None,
+        stats: CommStats | None = None,
+    ) -> None:
+        self.schedule = Schedule(schedule, len(stage_ranks))
+        if not 0 <= stage_index < len(stage_ranks):
+            raise ValueError(f"DecoupledPipeline: stage_index {stage_index} out of range [0, {len(stage_ranks)}).")
+        if not 0.0 < beta <= 1.0:
+            raise ValueError(f"DecoupledPipeline: `beta` must be in (0, 1], got {beta!r}.")
+        self.k = stage_index
+        self.ranks = list(stage_ranks)
+        self.data_group = data_group
+        self.beta = beta
+        self.loss_fn: LossFn = loss_fn if loss_fn is not None else F.cross_entropy
+        self.stats = stats if stats is not None else CommStats()
+        self.runner = StageRunner(stage, weights)
+        self.mail = Mailbox(pipe_group, self.runner.device, self.stats)
+        self._eval_mail: dict[bool, Mailbox] = {}
+        self._pipe_group = pipe_group
+        self.fifo: deque[InFlight] = deque()
+        self._act_in: Parcel | None = None
+        self._grad_in: Parcel | None = None
+        self.iteration = 0
+        self.fed = 0
+        self.updates = 0
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def first(self) -> bool:
+        return self.k == 0
+
+    @property
+    def last(self) -> bool:
+        return self.k == len(self.ranks) - 1
+
+    @property
+    def staleness(self) -> int:
+        """``tau_k`` of this stage."""
+        return self.schedule.staleness(self.k)
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether batches were fed since the last drain (the same answer on every stage)."""
+        return self.fed > 0
+
+    # ------------------------------------------------------------------ training
+    def step(self, batch: Any, apply: Apply) -> IterationReport:
+        """Run one lock-step iteration.
+
+        Args:
+            batch: Stage 0: ``(inputs, targets)``. Other stages: anything but ``None`` (e.g. the
+                same batch) when stage 0 is fed in this iteration; ``None`` in a drain iteration.
+            apply: Called after the data-parallel mean gradient was written to the stage
+                parameters' ``.grad``: take the optimizer step there (gradients are cleared after).
+        """
+        parcel = self._input(batch)
+        if batch is not None:
+            self.fed += 1
+        activation: Parcel | None = None
+        done: _Done | None = None
+        if parcel is not None:
+            if self.last:
+                done = self._forward_last(parcel, apply)
+            else:
+                activation = self._forward(parcel)
+        if not self.last:
+            gradient = self._gradient(parcel is not None)
+            if gradient is not None:
+                done = self._backward(gradient, apply)
+        outgoing = done.outgoing if done is not None else None
+        if self.schedule.backward_locked and not self.first and outgoing is not None:
+            self.mail.send(self.ranks[self.k - 1], outgoing)
+        self._exchange(activation, outgoing)
+        report = IterationReport(
+            self.iteration,
+            parcel.tag if parcel is not None else None,
+            done.batch if done is not None else None,
+            done.loss if done is not None else None,
+            done.rows if done is not None else 0,
+            len(self.fifo),
+        )
+        self.iteration += 1
+        return report
+
+    def drain(self, apply: Apply) -> list[IterationReport]:
+        """Iterate without input until every batch in flight was applied; then restart the counters."""
+        if not self.in_flight:
+            return []
+        reports = [self.step(None, apply) for _ in range(self.schedule.drain_iterations)]
+        if self.fifo or self._act_in is not None or self._grad_in is not None:
+            raise RuntimeError(f"DecoupledPipeline: stage {self.k} still holds batches after the drain.")
+        self.iteration = self.fed = 0
+        return reports
+
+    def _input(self, batch: Any) -> Parcel | None:
+        if self.first:
+            if batch is None:
+                return None
+            inputs, targets = _split_batch(batch)
+            return Parcel((inputs, targets), tag=self.fed)
+        if self.schedule.forward_locked:
+            parcel = self.mail.recv(self.ranks[self.k - 1]) if batch is not None else None
+        else:
+            parcel, self._act_in = self._act_in, None
+        if parcel is None:
+            return None
+        inputs, targets = parcel.tensors
+        # the FIFO keeps the input beyond the next exchange, which reuses the receive buffer
+        owned = inputs.detach().clone().requires_grad_(inputs.is_floating_point())
+        return Parcel((owned, targets.clone()), tag=parcel.tag)
+
+    def _forward_last(self, parcel: Parcel, apply: Apply) -> _Done:
+        inputs, targets = parcel.tensors
+        output, leaves = self.runner.forward_now(inputs)
+        loss = self.loss_fn(output, targets)
+        loss.backward()
+        self._apply(leaves, apply)
+        value = float(loss.detach())
+        outgoing = None if self.first else Parcel((_grad_of(inputs),), tag=parcel.tag, value=value)
+        return _Done(parcel.tag, value, len(targets), outgoing)
+
+    def _forward(self, parcel: Parcel) -> Parcel | None:
+        inputs, targets = parcel.tensors
+        if self.staleness == 0:  # sync: the gradient returns before any update
+            output, leaves = self.runner.forward_now(inputs)
+            entry = InFlight(parcel.tag, inputs, output, leaves)
+        else:
+            output, entry = self.runner.forward_delayed(inputs, parcel.tag)
+        self.fifo.append(entry)
+        activation = Parcel((output.detach(), targets), tag=parcel.tag)
+        if self.schedule.forward_locked:
+            self.mail.send(self.ranks[self.k + 1], activation)
+            return None
+        return activation
+
+    def _gradient(self, forwarded: bool) -> Parcel | None:
+        if self.schedule.backward_locked:
+            return self.mail.recv(self.ranks[self.k + 1]) if forwarded else None
+        gradient, self._grad_in = self._grad_in, None
+        return gradient
+
+    def _backward(self, gradient: Parcel, apply: Apply) -> _Done:
+        entry = self.fifo.popleft()
+        if entry.batch != gradient.tag:
+            raise RuntimeError(
+                f"DecoupledPipeline: stage {self.k} got the gradient of batch {gradient.tag} but its oldest "
+                f"batch in flight is {entry.batch}: the ranks fell out of lock-step."
+            )
+        grad_output = gradient.tensors[0]
+        if self.beta != 1.0:
+            grad_output = grad_output * self.beta
+        leaves = self.runner.backward_delayed(entry, grad_output)
+        self._apply(leaves, apply)
+        outgoing = None if self.first else Parcel((_grad_of(entry.inputs),), tag=entry.batch, value=gradient.value)
+        return _Done(entry.batch, gradient.value, int(entry.inputs.shape[0]), outgoing)
+
+    def _apply(self, leaves: list[Tensor], apply: Apply) -> None:
+        grads = self.runner.grads(leaves)
+        if self.data_group is not None:
+            flat = self.runner.flatten(grads)
+            all_reduce_mean_(flat, self.data_group, self.stats)
+            grads = self.runner.flat.split(flat)
+        self.runner.set_grads(grads)
+        apply()
+        self.runner.clear_grads()
+        self.updates += 1
+
+    def _exchange(self, activation: Parcel | None, gradient: Parcel | None) -> None:
+        send: dict[int, Parcel | None] = {}
+        recv: list[int] = []
+        prev = self.ranks[self.k - 1] if not self.first else None
+        nxt = self.ranks[self.k + 1] if not self.last else None
+        if not self.schedule.forward_locked:
+            if nxt is not None:
+                send[nxt] = activation
+            if prev is not None:
+                recv.append(prev)
+        if not self.schedule.backward_locked:
+            if prev is not None:
+                send[prev] = gradient
+            if nxt is not None:
+                recv.append(nxt)
+        if not send and not recv:
+            return
+        got = self.mail.exchange(send, recv)
+        if prev is not None and not self.schedule.forward_locked:
+            self._act_in = got[prev]
+        if nxt is not None and not self.schedule.backward_locked:
+            self._grad_in = got[nxt]
+
+    # ------------------------------------------------------------------ evaluation
+    @torch.no_grad()
+    def forward_eval(self, inputs: Tensor) -> Tensor:
+        """Stage-by-stage forward of ``inputs`` (read on stage 0) with the current weights, no state change.
+
+        Every stage of the replica returns the last stage's output. Call it on all stages of the
+        replica together (in evaluation mode for BatchNorm and dropout).
+        """
+        mail = self._eval_mail.setdefault(
+            torch.is_inference_mode_enabled(), Mailbox(self._pipe_group, self.runner.device, self.stats)
+        )
+        hidden = inputs if self.first else _received(mail.recv(self.ranks[self.k - 1]))
+        output = self.runner.module(hidden)
+        if not self.last:
+            mail.send(self.ranks[self.k + 1], Parcel((output,)))
+            return _received(mail.recv(self.ranks[-1])).clone()
+        if len(self.ranks) > 1:
+            mail.exchange({r: Parcel((output,)) for r in self.ranks[:-1]}, ())
+        return output
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """Counters (batches in flight are not part of the state: checkpoint after :meth:`drain`)."""
+        return {"updates": self.updates}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.updates = int(state["updates"])
+
+
+def _split_batch(batch: Any) -> tuple[Tensor, Tensor]:
+    if isinstance(batch, list | tuple) and len(batch) == 2 and all(isinstance(t, Tensor) for t in batch):
+        return batch[0], batch[1]
+    raise TypeError(
+        f"DecoupledPipeline: a batch must be (inputs, targets), two tensors; got {type(batch).__name__}. "
+        "Return (x, y) from the dataloader (or convert it in on_after_batch_transfer)."
+    )
+
+
+def _grad_of(inputs: Tensor) -> Tensor:
+    return inputs.grad if inputs.grad is not None else torch.zeros_like(inputs)
+
+
+def _received(parcel: Parcel | None) -> Tensor:
+    if parcel is None:
+        raise RuntimeError("DecoupledPipeline: a stage sent nothing where an activation was expected.")
+    return parcel.tensors[0]

@@ -1,0 +1,127 @@
+"""Cutting an ordered list of blocks into contiguous pipeline stages.
+
+A *split* is the tuple of the ``K - 1`` block indices where stages ``1 .. K - 1`` start: with
+``split = (s_1, ..., s_{K-1})`` stage ``k`` holds blocks ``[s_k, s_{k+1})`` (``s_0 = 0``,
+``s_K = n``). :func:`balanced_split` chooses it from measured per-block costs so that the slowest
+stage is as fast as possible, since a lock-step pipeline runs at the pace of its slowest stage.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+from itertools import pairwise
+
+import torch
+from torch import Tensor, nn
+
+
+def check_split(split: Sequence[int], num_blocks: int, num_stages: int) -> tuple[int, ...]:
+    """Validate ``split`` for ``num_blocks`` blocks and ``num_stages`` stages.
+
+    Raises:
+        ValueError: Too many stages for the blocks, wrong length, or points not strictly
+            increasing within ``(0, num_blocks)``.
+    """
+    check_stage_count(num_blocks, num_stages)
+    points = tuple(split)
+    bounds = (0, *points, num_blocks)
+    if len(points) != num_stages - 1 or any(b >= c for b, c in pairwise(bounds)):
+        raise ValueError(
+            f"split {list(points)} is invalid for {num_blocks} blocks and {num_stages} stages: it must hold "
+            f"{num_stages - 1} strictly increasing block indices in [1, {num_blocks - 1}]."
+        )
+    return points
+
+
+def check_stage_count(num_blocks: int, num_stages: int) -> None:
+    """Every stage needs at least one block.
+
+    Raises:
+        ValueError: ``num_stages > num_blocks``.
+    """
+    if num_stages > num_blocks:
+        raise ValueError(
+            f"cannot cut {num_blocks} block(s) into {num_stages} stages: every stage needs at least one block. "
+            f"Use stages <= {num_blocks} or a model with more blocks."
+        )
+
+
+def stage_ranges(split: Sequence[int], num_blocks: int) -> list[range]:
+    """Block indices of each stage."""
+    bounds = (0, *split, num_blocks)
+    return [range(a, b) for a, b in pairwise(bounds)]
+
+
+def balanced_split(costs: Sequence[float], num_stages: int) -> tuple[int, ...]:
+    """Contiguous partition of ``costs`` into ``num_stages`` non-empty parts minimising the largest part's sum.
+
+    Exact dynamic programme, ``O(num_stages * n^2)``; ties are broken deterministically (the
+    earliest cut wins), so every rank computing it from the same costs gets the same split.
+    """
+    n = len(costs)
+    check_stage_count(n, num_stages)
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + float(c))
+    inf = float("inf")
+    # best[j][i]: minimal bottleneck of the first i blocks in j stages; cut[j][i]: start of stage j-1
+    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0.0
+    for j in range(1, num_stages + 1):
+        for i in range(j, n - (num_stages - j) + 1):
+            for c in range(j - 1, i):
+                value = max(best[j - 1][c], prefix[i] - prefix[c])
+                if value < best[j][i]:
+                    best[j][i], cut[j][i] = value, c
+    points: list[int] = []
+    i = n
+    for j in range(num_stages, 1, -1):
+        i = cut[j][i]
+        points.append(i)
+    return tuple(reversed(points))
+
+
+@torch.no_grad()
+def _restore(tensors: Sequence[Tensor], saved: Sequence[Tensor]) -> None:
+    for t, s in zip(tensors, saved, strict=True):
+        t.copy_(s)
+
+
+def measure_block_costs(blocks: Sequence[nn.Module], sample: Tensor, repeats: int = 3) -> list[float]:
+    """Median seconds of forward + backward of each block on the activations ``sample`` produces.
+
+    The blocks are left as they were: buffers (BatchNorm statistics) are restored, gradients
+    cleared and the global RNG state is untouched.
+    """
+    devices = [sample.device] if sample.device.type == "cuda" else []
+    costs: list[float] = []
+    h = sample
+    with torch.random.fork_rng(devices=devices):
+        for block in blocks:
+            buffers = list(block.buffers())
+            saved = [b.clone() for b in buffers]
+            times = []
+            for _ in range(repeats + 1):  # the first run warms up allocators and kernels
+                x = h.detach().requires_grad_(h.is_floating_point())
+                _sync(sample.device)
+                start = time.perf_counter()
+                with torch.enable_grad():
+                    out = block(x)
+                    if out.requires_grad:
+                        out.backward(torch.ones_like(out))
+                _sync(sample.device)
+                times.append(time.perf_counter() - start)
+            costs.append(statistics.median(times[1:]))
+            h = out.detach()
+            _restore(buffers, saved)
+            for p in block.parameters():
+                p.grad = None
+    return costs
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

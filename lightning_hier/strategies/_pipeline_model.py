@@ -1,0 +1,208 @@
+"""Cutting a LightningModule's blocks into pipeline stages and putting them back together.
+
+During fit each rank keeps only its stage: the other stages' blocks are moved to the meta device
+(no memory) and replaced in the container by :class:`Elsewhere` placeholders, so the module's
+``parameters()`` and ``state_dict()`` hold this stage only (what ``configure_optimizers`` and the
+per-rank checkpoint state see). :func:`reassemble` restores every block with the owners' values
+(end of fit) and :func:`gather_state_dict` builds the ordinary whole-model state dict (checkpoints).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from itertools import pairwise
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_hier.algorithms.decoupled import check_split, stage_ranges
+from lightning_hier.comm import broadcast_, gather_objects
+from lightning_hier.comm.collectives import Group
+from lightning_hier.strategies._checkpoint import detach_state
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from torch.optim import Optimizer
+
+Container = nn.Sequential | nn.ModuleList
+
+
+class Elsewhere(nn.Module):
+    """Placeholder for a block that lives on another pipeline stage during fit."""
+
+    def __init__(self, index: int, stage: int) -> None:
+        super().__init__()
+        self.index, self.stage = index, stage
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(
+            f"Block {self.index} lives on pipeline stage {self.stage} while DecoupledStrategy is fitting; "
+            "this rank holds only its own stage. The whole model is back on every rank after fit()."
+        )
+
+    def extra_repr(self) -> str:
+        return f"block={self.index}, stage={self.stage}"
+
+
+def resolve_blocks(module: nn.Module, attr: str) -> Container:
+    """The ``nn.Sequential`` / ``nn.ModuleList`` of blocks at the dotted path ``attr`` of ``module``.
+
+    Raises:
+        ValueError: No such attribute, or it is not an ordered container of blocks.
+    """
+    owner = type(module).__name__
+    try:
+        blocks = module.get_submodule(attr)
+    except AttributeError:
+        raise ValueError(
+            f"DecoupledStrategy cannot cut {owner}: it has no submodule `{attr}`. The pipeline needs the network as "
+            "an nn.Sequential (or nn.ModuleList) of blocks; set `module_attr` to its attribute path."
+        ) from None
+    if not isinstance(blocks, Container):
+        raise ValueError(
+            f"DecoupledStrategy cannot cut {owner}.{attr}: it is a {type(blocks).__name__}, not an nn.Sequential or "
+            "nn.ModuleList of blocks. Express the network as an ordered list of blocks (the reference models are)."
+        )
+    return blocks
+
+
+def check_no_outside_parameters(module: nn.Module, attr: str) -> None:
+    """The pipeline trains the blocks only: parameters elsewhere would never get a gradient."""
+    outside = [n for n, _ in module.named_parameters() if not n.startswith(f"{attr}.")]
+    if outside:
+        raise ValueError(
+            f"DecoupledStrategy cannot cut {type(module).__name__}: parameters outside `{attr}` would never be "
+            f"trained by the pipeline: {outside[:5]}{' ...' if len(outside) > 5 else ''}. Move them into a block."
+        )
+
+
+def _prefix(attr: str, index: int) -> str:
+    return f"{attr}.{index}."
+
+
+@dataclass
+class CutModel:
+    """A module cut for one stage: which blocks are here and where the others went."""
+
+    module: nn.Module
+    attr: str
+    split: tuple[int, ...]
+    stage_index: int
+    full_keys: list[str]
+    foreign: dict[int, nn.Module] = field(default_factory=dict)
+
+    @property
+    def container(self) -> Container:
+        return resolve_blocks(self.module, self.attr)
+
+    @property
+    def ranges(self) -> list[range]:
+        return stage_ranges(self.split, len(self.container))
+
+    def stage(self) -> nn.Sequential:
+        """This rank's blocks, in order (the same block objects the module holds)."""
+        blocks = self.container
+        return nn.Sequential(*[blocks[i] for i in self.ranges[self.stage_index]])
+
+    def foreign_keys(self) -> list[str]:
+        prefixes = tuple(_prefix(self.attr, i) for i in self.foreign)
+        return [k for k in self.full_keys if k.startswith(prefixes)]
+
+
+def cut(module: nn.Module, attr: str, split: Sequence[int], num_stages: int, stage_index: int) -> CutModel:
+    """Keep stage ``stage_index``'s blocks in ``module``; move the others to meta behind placeholders."""
+    blocks = resolve_blocks(module, attr)
+    points = check_split(split, len(blocks), num_stages)
+    result = CutModel(module, attr, points, stage_index, list(module.state_dict().keys()))
+    for stage, indices in enumerate(result.ranges):
+        if stage == stage_index:
+            continue
+        for i in indices:
+            result.foreign[i] = blocks[i].to("meta")
+            blocks[i] = Elsewhere(i, stage)
+    return result
+
+
+def reassemble(model: CutModel, device: torch.device, stage_ranks: Sequence[int], group: Group) -> None:
+    """Put every block back; each stage's values come from its owner in ``stage_ranks`` (a collective)."""
+    blocks = model.container
+    for i, block in model.foreign.items():
+        blocks[i] = block.to_empty(device=device)
+    model.foreign.clear()
+    for stage, indices in enumerate(model.ranges):
+        tensors: list[Tensor] = []
+        for i in indices:
+            tensors += list(blocks[i].parameters()) + list(blocks[i].buffers())
+        with torch.no_grad():
+            broadcast_([t.data for t in tensors], src=stage_ranks[stage], group=group)
+
+
+def gather_state_dict(model: CutModel, stage_ranks: Sequence[int], group: Group) -> dict[str, Any] | None:
+    """The whole ordinary model's state dict, assembled on ``stage_ranks[0]`` (``None`` elsewhere).
+
+    A collective over the stages of one replica.
+    """
+    own = detach_state(model.module.state_dict())
+    parts = gather_objects(own, dst=stage_ranks[0], group=group)
+    if parts is None:
+        return None
+    merged: dict[str, Any] = {}
+    for part in parts:
+        merged.update(part)
+    missing = [k for k in model.full_keys if k not in merged]
+    if missing:
+        raise RuntimeError(f"DecoupledStrategy: the stages did not provide {missing[:5]} for the whole model.")
+    return {k: merged[k] for k in model.full_keys}
+
+
+@contextmanager
+def forward_replaced(target: nn.Module, forward: Any) -> Iterator[None]:
+    """Temporarily route ``target(...)`` to ``forward`` (an instance attribute shadows the class method)."""
+    target.forward = forward
+    try:
+        yield
+    finally:
+        del target.forward
+
+
+def check_split_argument(owner: str, split: Sequence[int] | None, stages: int) -> tuple[int, ...] | None:
+    """Validate the strategy's ``split`` argument at construction (the block count comes later)."""
+    if split is None:
+        return None
+    allowed = f"None or {stages - 1} strictly increasing positive block indices (one per stage after the first)"
+    points = list(split) if isinstance(split, list | tuple) else None
+    if points is None or len(points) != stages - 1 or not all(isinstance(p, int) and p > 0 for p in points):
+        raise ValueError(f"{owner}: argument `split` must be {allowed}, got {split!r}.")
+    if any(b <= a for a, b in pairwise(points)):
+        raise ValueError(f"{owner}: argument `split` must be {allowed}, got {split!r}.")
+    return tuple(points)
+
+
+def check_optimizer_params(optimizer: Optimizer, stage: nn.Module) -> None:
+    """The optimizer must hold this stage's parameters only (it was built after the cut)."""
+    mine = {id(p) for p in stage.parameters()}
+    foreign = [p for group in optimizer.param_groups for p in group["params"] if id(p) not in mine]
+    if foreign:
+        raise ValueError(
+            f"DecoupledStrategy: the optimizer holds {len(foreign)} parameter(s) of other stages; build it in "
+            "configure_optimizers from self.parameters() (called after the strategy cut the model)."
+        )
+
+
+def sample_input(module: pl.LightningModule, trainer: pl.Trainer, device: torch.device) -> Tensor:
+    """One batch of inputs to time the blocks on: ``example_input_array`` or the first training batch."""
+    example = module.example_input_array
+    if isinstance(example, Tensor):
+        return example.to(device)
+    with torch.random.fork_rng():  # iterating the loader must not shift the run's random stream
+        batch = next(iter(trainer.fit_loop._data_source.dataloader()))
+        batch = module._apply_batch_transfer_handler(batch, device)
+    if isinstance(batch, list | tuple) and batch and isinstance(batch[0], Tensor):
+        return batch[0]
+    raise ValueError(
+        "DecoupledStrategy: cannot find a sample input to balance the stages; pass `split` explicitly or set "
+        "`example_input_array` on the LightningModule."
+    )

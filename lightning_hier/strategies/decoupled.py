@@ -1,0 +1,366 @@
+"""Lightning adapter of the decoupled pipeline: :class:`DecoupledStrategy`.
+
+Registered as ``decoupled``, ``decoupled_spawn`` and ``decoupled_fork``. The algorithm (Pham and
+Ahn, arXiv 2509.05679, on FDG / DDG) lives in :mod:`lightning_hier.algorithms.decoupled`.
+
+How it sits in Lightning (decisions, in the order a fit meets them):
+
+- **Layout.** ``W = N x K`` ranks, ``rank(d, k) = d * K + k`` (:class:`~lightning_hier.topology.Topology`
+  with ``pipe=K``); a world size that ``K`` does not divide fails when the Trainer is built. The
+  training sampler shards by the data-parallel coordinate ``d`` only: the stages of a replica read
+  the same batches (stage 0 uses them; labels travel with the activations).
+- **The model.** The blocks are the ``nn.Sequential`` (or ``nn.ModuleList``) at ``module_attr``
+  (``net`` for :class:`~lightning_hier.models.Classifier`). Every rank starts from rank 0's whole
+  model (broadcast before the cut), then keeps only its stage: the other blocks go to the meta
+  device behind placeholders. ``configure_optimizers`` therefore sees this stage's parameters only.
+  ``split`` gives the cut points; by default rank 0 times each block's forward + backward on one
+  batch (``example_input_array`` or the first training batch) and balances the stages.
+- **One training step = one lock-step iteration.** The strategy's ``training_step`` runs the
+  iteration (forwards, delayed backward, data-parallel gradient all-reduce, optimizer step through
+  the precision plugin: gradient clipping and ``on_before_optimizer_step`` apply) and returns the
+  loss as a detached tensor; its ``backward`` and ``optimizer_step`` do nothing more, so Lightning
+  sees a loss on every rank and there is no second backward. The user's ``training_step`` is *not*
+  called: the loss is ``module.pipeline_loss(output, target)`` if the module defines it, else
+  cross-entropy. Logged: ``train/loss`` (epoch mean over all batches and replicas; each rank
+  reports the losses of the batches it applied, which travel back with the gradients).
+- **Epoch ends drain the pipeline** (``2K - 2`` extra iterations for ``fdg``, ``K - 1`` for
+  ``ddg``, none for ``sync``) inside the epoch's last step, so every batch is applied exactly once,
+  validation and checkpoints at epoch ends see a model with nothing in flight, and resuming from
+  them is exact. A checkpoint taken mid-epoch does not hold batches in flight (a warning says so).
+  BatchNorm statistics are averaged over the replicas at each drain (they do not affect training).
+- **Validation during fit** is a plain staged forward with no state change: ``module(x)`` routes
+  the blocks through the stages, and the last stage's output reaches every stage of the replica, so
+  the user's ``validation_step`` runs unchanged on every rank and torchmetrics/``sync_dist``
+  reduce over the whole world (each replica counted K times: means are unchanged).
+- **Checkpoints.** Every rank's stage, optimizer, RNG and counters are gathered into the file (the
+  base class); its ``state_dict`` is the whole ordinary model assembled from the stages, which
+  loads into the unsharded LightningModule.
+- **After fit** every rank holds the whole model again (each stage broadcast by its owner), so
+  ``trainer.validate/test/predict`` and the weights returned by spawn/fork are ordinary; outside
+  fit the strategy runs plain data parallelism over all ranks (no pipeline).
+
+Supported: precision ``32-true``, ``64-true``, ``16-true``, ``bf16-true``; one optimizer stepped once
+per call (not LBFGS); automatic optimization; ``accumulate_grad_batches=1``. ``gradient_clip_algorithm
+='norm'`` clips each stage's gradient by its own norm. ``on_before_backward``/``on_after_backward``
+are not called.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, Precision
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import Tensor, nn
+
+from lightning_hier import _validate as v
+from lightning_hier.algorithms.averaging import float_buffers
+from lightning_hier.algorithms.decoupled import (
+    SCHEDULES,
+    WEIGHTS,
+    DecoupledPipeline,
+    IterationReport,
+    balanced_split,
+    check_stage_count,
+    measure_block_costs,
+)
+from lightning_hier.comm import all_reduce_mean_, broadcast_object
+from lightning_hier.strategies import _pipeline_model as pm
+from lightning_hier.strategies._base import HierStrategy
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    import lightning.pytorch as pl
+    from torch.optim import Optimizer
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_PRECISION = (Precision, DoublePrecision, HalfPrecision)
+
+
+class DecoupledStrategy(HierStrategy):
+    """Data parallelism x fully decoupled backpropagation: N pipelines of K stages with delayed gradients.
+
+    Args:
+        stages: Number of pipeline stages ``K``; the world size must be a multiple (``N = W / K``).
+        split: ``K - 1`` block indices where stages ``1 .. K-1`` start; ``None`` balances the
+            stages by measured per-block time.
+        schedule: ``'fdg'`` (fully decoupled, staleness ``2(K-1-k)``), ``'ddg'`` (locked forward,
+            ``K-1-k``) or ``'sync'`` (no staleness: plain backpropagation, pipelined).
+        weights: Weights of a delayed backward: ``'stash'`` (forward-time copy), ``'recompute'``
+            (re-run the forward with current weights) or ``'legacy'`` (stored graph, current weights).
+        beta: Gradient shrinking in ``(0, 1]``: stage ``k``'s gradients are scaled by ``beta ** (K-1-k)``.
+        module_attr: Dotted path of the ``nn.Sequential`` / ``nn.ModuleList`` of blocks on the
+            LightningModule.
+        **kwargs: See :class:`~lightning_hier.strategies._base.HierStrategy` (``timeout``,
+            ``start_method``, ``process_group_backend``).
+
+    Example:
+        >>> import lightning.pytorch as pl
+        >>> import lightning_hier  # registers the names
+        >>> trainer = pl.Trainer(strategy="decoupled_fork", accelerator="cpu", devices=2)  # doctest: +SKIP
+        >>> trainer = pl.Trainer(strategy=DecoupledStrategy(stages=2, schedule="ddg"), devices=4)  # doctest: +SKIP
+    """
+
+    strategy_name = "decoupled"
+
+    def __init__(
+        self,
+        stages: int = 2,
+        split: Sequence[int] | None = None,
+        schedule: str = "fdg",
+        weights: str = "stash",
+        beta: float = 1.0,
+        module_attr: str = "net",
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        owner = type(self).__name__
+        self.stages = v.check_int(owner, "stages", stages, minimum=1)
+        self.split = pm.check_split_argument(owner, split, self.stages)
+        self.schedule = v.check_choice(owner, "schedule", schedule, SCHEDULES)
+        self.weights = v.check_choice(owner, "weights", weights, WEIGHTS)
+        self.beta = v.check_float(owner, "beta", beta, low=0.0, high=1.0, low_inclusive=False)
+        if not isinstance(module_attr, str) or not module_attr:
+            raise ValueError(
+                f"{owner}: argument `module_attr` must be a non-empty attribute path, got {module_attr!r}."
+            )
+        self.module_attr = module_attr
+        self.pipeline: DecoupledPipeline | None = None
+        self.last_reports: list[IterationReport] = []
+        """What every stage iteration of the latest training step did (for monitors and tests)."""
+        self._cut: pm.CutModel | None = None
+        self._split: tuple[int, ...] | None = None  # the cut in use (kept after fit: optimizer states follow it)
+        self._missing_on_load: list[str] = []
+        self._example_input: Any = None
+
+    def _layout(self) -> dict[str, int]:
+        return {"pipe": self.stages}
+
+    # ------------------------------------------------------------------ precision and sampling
+    @property
+    def precision_plugin(self) -> Precision:
+        return self._precision_plugin if self._precision_plugin is not None else Precision()
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Precision | None) -> None:
+        if plugin is not None and type(plugin) not in SUPPORTED_PRECISION:
+            raise ValueError(
+                f"DecoupledStrategy: precision plugin {type(plugin).__name__} is not supported; use precision "
+                "'32-true', '64-true', '16-true' or 'bf16-true'. Mixed precision would need autocast and loss "
+                "scaling across stages that apply gradients of different batches."
+            )
+        self._precision_plugin = plugin
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        if self._fitting():
+            return super().distributed_sampler_kwargs
+        # outside fit the whole model is on every rank: plain data parallelism over the world
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    def _fitting(self) -> bool:
+        module = self.lightning_module
+        return module is not None and module._trainer is not None and module.trainer.state.fn == TrainerFn.FITTING
+
+    # ------------------------------------------------------------------ cutting the model
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        self._cut_model(trainer)  # the optimizers are built for this rank's stage only
+        super().setup_optimizers(trainer)
+
+    def _cut_model(self, trainer: pl.Trainer) -> None:
+        module: nn.Module = self.lightning_module  # type: ignore[assignment]
+        blocks = pm.resolve_blocks(module, self.module_attr)
+        pm.check_no_outside_parameters(module, self.module_attr)
+        try:
+            check_stage_count(len(blocks), self.stages)
+            split = self._choose_split(trainer, blocks)
+            self._cut = pm.cut(
+                module, self.module_attr, split, self.stages, self.topology.coords(self.global_rank).pipe
+            )
+            self._split = self._cut.split
+        except ValueError as err:
+            raise ValueError(f"DecoupledStrategy: {err}") from None
+        unexpected = [k for k in self._missing_on_load if k not in set(self._cut.foreign_keys())]
+        if unexpected:
+            raise ValueError(f"DecoupledStrategy: the checkpoint lacks this stage's entries {unexpected[:5]}.")
+        # ModelSummary would run the example through this rank's partial model; restored after fit
+        lightning_module = self.lightning_module
+        assert lightning_module is not None
+        self._example_input, lightning_module.example_input_array = lightning_module.example_input_array, None
+
+    def _choose_split(self, trainer: pl.Trainer, blocks: pm.Container) -> tuple[int, ...]:
+        saved = self._restored.get("algorithm", {}).get("split") if self._restored is not None else None
+        if saved is not None:
+            if self.split is not None and tuple(self.split) != tuple(saved):
+                raise ValueError(f"split {list(self.split)} differs from the checkpoint's split {list(saved)}")
+            return tuple(saved)
+        if self.split is not None:
+            return self.split
+        if self.stages == len(blocks):
+            return tuple(range(1, self.stages))  # one block per stage: nothing to balance
+        module = self.lightning_module
+        assert module is not None
+        sample = pm.sample_input(module, trainer, self.root_device) if self.global_rank == 0 else None
+        costs = measure_block_costs(list(blocks), sample) if sample is not None else None
+        split = balanced_split(costs, self.stages) if costs is not None else None
+        return tuple(broadcast_object(split, 0, torch.distributed.group.WORLD))
+
+    def _setup_algorithm(self, trainer: pl.Trainer) -> None:
+        module = self.lightning_module
+        assert module is not None and self._cut is not None
+        if not module.automatic_optimization:
+            raise ValueError("DecoupledStrategy runs the optimizer steps itself: use automatic optimization.")
+        if trainer.accumulate_grad_batches != 1:
+            raise ValueError(
+                f"DecoupledStrategy: accumulate_grad_batches={trainer.accumulate_grad_batches} is not supported; the "
+                "pipeline applies one update per batch and stage (use a larger batch instead)."
+            )
+        optimizer = self._require_single_optimizer()
+        if isinstance(optimizer, torch.optim.LBFGS):
+            raise ValueError("DecoupledStrategy: LBFGS re-evaluates its closure; use an optimizer that steps once.")
+        stage = self._cut.stage()
+        pm.check_optimizer_params(optimizer, stage)
+        # step-wise schedulers advance every iteration, also on stages still waiting for their
+        # first gradient; torch would warn that the first learning rate was skipped, which it is not
+        warnings.filterwarnings(
+            "ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before", category=UserWarning
+        )
+        topo, coords = self.topology, self.topology.coords(self.global_rank)
+        self.pipeline = DecoupledPipeline(
+            stage,
+            stage_index=coords.pipe,
+            stage_ranks=topo.group_ranks("pipe", self.global_rank),
+            pipe_group=self.groups.pipe,
+            data_group=self.groups.data,
+            schedule=self.schedule,
+            weights=self.weights,
+            beta=self.beta,
+            loss_fn=getattr(module, "pipeline_loss", F.cross_entropy),
+            stats=self.comm_stats,
+        )
+
+    # ------------------------------------------------------------------ one step = one iteration
+    def training_step(self, *args: Any, **kwargs: Any) -> Tensor:
+        batch = kwargs.get("batch", args[0] if args else None)
+        batch_idx = int(kwargs.get("batch_idx", args[1] if len(args) > 1 else 0))
+        pipe = self.pipeline
+        assert pipe is not None
+        reports: list[IterationReport] = []
+        with self.precision_plugin.train_step_context():
+            if batch_idx == 0 and pipe.in_flight:  # the previous epoch stopped early
+                reports += self._drain()
+            reports.append(pipe.step(batch, self._apply))
+            if self._ends_epoch(batch_idx):
+                reports += self._drain()
+        self.last_reports = reports
+        return self._report(reports)
+
+    def _apply(self) -> None:
+        # through the precision plugin: on_before_optimizer_step and gradient clipping, then the step
+        module = self.lightning_module
+        assert module is not None
+        self.precision_plugin.optimizer_step(self.optimizers[0], model=module, closure=_no_closure)
+
+    def _drain(self) -> list[IterationReport]:
+        assert self.pipeline is not None
+        reports = self.pipeline.drain(self._apply)
+        # BatchNorm statistics do not influence training; averaging them gives one model per stage
+        buffers = float_buffers(self.pipeline.runner.module)
+        if buffers:
+            all_reduce_mean_(buffers, self.groups.data, self.comm_stats)
+        return reports
+
+    def _ends_epoch(self, batch_idx: int) -> bool:
+        trainer = self.lightning_module.trainer  # type: ignore[union-attr]
+        if trainer.fit_loop.epoch_loop.batch_progress.is_last_batch or batch_idx + 1 >= trainer.num_training_batches:
+            return True
+        return 0 <= trainer.max_steps <= trainer.global_step + 1
+
+    def _report(self, reports: list[IterationReport]) -> Tensor:
+        applied = [(r.loss, r.rows) for r in reports if r.loss is not None]
+        rows = sum(n for _, n in applied)
+        loss = sum(value * n for value, n in applied) / rows if rows else float("nan")
+        module = self.lightning_module
+        assert module is not None and self.pipeline is not None
+        if rows:
+            module.log("train/loss", loss, on_step=False, on_epoch=True, prog_bar=True, sync_dist=True, batch_size=rows)
+        self._log({"pipe/in_flight": float(reports[-1].in_flight), "pipe/updates": float(self.pipeline.updates)})
+        return torch.tensor(loss, device=self.root_device)
+
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        """Nothing to do: :meth:`training_step` ran the stage's backward passes."""
+        return closure_loss
+
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        """Run Lightning's closure (our training step, which steps the optimizer); no further step."""
+        return closure()
+
+    # ------------------------------------------------------------------ evaluation and the end of fit
+    @contextmanager
+    def _consensus(self) -> Iterator[None]:
+        if self._cut is None or self.pipeline is None:
+            yield
+            return
+        module = self.lightning_module
+        assert module is not None
+        container = self._cut.container
+        target = container if isinstance(container, nn.Sequential) else module
+        with pm.forward_replaced(target, self.pipeline.forward_eval):
+            yield
+
+    def _finalize_algorithm(self) -> None:
+        if self._cut is None or self.pipeline is None:
+            return
+        if self.pipeline.in_flight:  # fit stopped mid-epoch
+            self._drain()
+        pm.reassemble(self._cut, self.root_device, self.pipeline.ranks, self.groups.pipe)
+        self.lightning_module.example_input_array = self._example_input  # type: ignore[union-attr]
+        self._cut, self.pipeline = None, None
+
+    # ------------------------------------------------------------------ checkpoints
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The whole ordinary model, assembled from the stages of replica 0 (a collective)."""
+        if self._cut is None or self.pipeline is None:
+            return super().lightning_module_state_dict()
+        if self.topology.coords(self.global_rank).data != 0:
+            return {}  # only rank 0's copy is written
+        state = pm.gather_state_dict(self._cut, self.pipeline.ranks, self.groups.pipe)
+        return state if state is not None else {}
+
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        if self._restored is None:
+            return super().load_model_state_dict(checkpoint, strict)
+        # resuming: this rank's saved state holds its own stage only; the cut in setup() drops the rest
+        module = self.lightning_module
+        assert module is not None
+        missing, unexpected = module.load_state_dict(self._restored["model"], strict=False)
+        if unexpected:
+            raise ValueError(f"DecoupledStrategy: the checkpoint has entries this model lacks: {unexpected[:5]}.")
+        self._missing_on_load = list(missing)
+
+    def _algorithm_state(self) -> dict[str, Any]:
+        split = {"split": list(self._split)} if self._split is not None else {}
+        if self.pipeline is None:
+            return split  # after fit: the whole model, but the optimizer still holds this stage only
+        if self.pipeline.in_flight:
+            log.warning(
+                "DecoupledStrategy: checkpoint taken with batches in flight (mid-epoch); they are not saved, so a "
+                "run resumed from it skips their updates. Epoch-end checkpoints are exact."
+            )
+        return {**split, "pipeline": self.pipeline.state_dict()}
+
+    def _load_algorithm_state(self, state: dict[str, Any]) -> None:
+        if self.pipeline is not None and "pipeline" in state:
+            self.pipeline.load_state_dict(state["pipeline"])
+
+
+def _no_closure() -> None:
+    return None

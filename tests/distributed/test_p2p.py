@@ -1,0 +1,64 @@
+"""Parcels between neighbours: shapes and dtypes unknown to the receiver, growth, empty messages."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_hier.comm import CommStats, Mailbox, Parcel
+from lightning_hier.comm.p2p import HEADER_BYTES
+from lightning_hier.testing import run_workers
+
+ROWS = [4, 4, 7, 2, 0, 9, 3]  # 0: an empty message
+
+
+def _parcel(i: int, rank: int, rows: int) -> Parcel | None:
+    if rows == 0:
+        return None
+    x = torch.arange(rows * 3, dtype=torch.float32).view(rows, 3) + 100 * rank + i
+    return Parcel((x, torch.arange(rows) * (rank + 1), x[:, :1].to(torch.bfloat16) > 0), tag=10 * i + rank, value=i / 4)
+
+
+def _swap() -> dict:
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    peer = 1 - rank
+    stats = CommStats()
+    box = Mailbox(None, torch.device("cpu"), stats)
+    got, sizes = [], []
+    for i, rows in enumerate(ROWS):
+        parcel = box.exchange({peer: _parcel(i, rank, rows)}, [peer])[peer]
+        got.append(None if parcel is None else (parcel.tag, parcel.value, [t.clone() for t in parcel.tensors]))
+        sizes.append(box._recv[peer].buffer.numel())
+    if rank == 0:
+        box.send(1, Parcel((torch.ones(2, 2, dtype=torch.float64),), tag=-3, value=float("inf")))
+    else:
+        one_way = box.recv(0)
+        assert one_way is not None
+        got.append((one_way.tag, one_way.value, list(one_way.tensors)))
+    return {"got": got, "sizes": sizes, "bytes": stats.bytes}
+
+
+def test_parcels_arrive_intact_and_buffers_only_grow():
+    out = run_workers(_swap, devices=2)
+    for rank, o in enumerate(out):
+        peer = 1 - rank
+        for i, rows in enumerate(ROWS):
+            want = _parcel(i, peer, rows)
+            if want is None:
+                assert o["got"][i] is None
+                continue
+            tag, value, tensors = o["got"][i]
+            assert (tag, value) == (want.tag, want.value)
+            for a, b in zip(tensors, want.tensors, strict=True):
+                assert a.dtype == b.dtype and torch.equal(a, b)
+        assert o["sizes"] == sorted(o["sizes"]) and o["sizes"][0] > HEADER_BYTES
+        assert o["bytes"] > 0
+    assert out[1]["got"][-1][:2] == (-3, float("inf"))
+
+
+def test_unsupported_parcels_fail_before_sending():
+    box = Mailbox(None, torch.device("cpu"))
+    with pytest.raises(TypeError, match="cannot be sent"):
+        box.exchange({1: Parcel((torch.zeros(2, dtype=torch.complex64),))}, ())
+    with pytest.raises(ValueError, match="at most 3 tensors"):
+        box.exchange({1: Parcel(tuple(torch.zeros(1) for _ in range(4)))}, ())

@@ -1,0 +1,129 @@
+"""Single-process references for the decoupled pipeline, written from the papers' update rules.
+
+Nothing here uses lightning_hier's pipeline code: the schedules are restated as formulas
+(FDG: stage k forwards batch b at iteration b + k and applies it at b + 2K - 2 - k; DDG: forwards
+at b, applies at b + K - 1 - k; sync: both at b), and every gradient is recomputed from a history
+of per-stage weight snapshots:
+
+- ``stash``: every stage's Jacobian at the weights it had when it forwarded the batch, which for
+  DDG is the full-model snapshot of that iteration: ``w_{t+1} = w_t - lr g_{t-tau}(w_{t-tau})``;
+- ``recompute``: stages at or after the updating one re-run their forward with the weights they
+  had when they backpropagated the batch, on the input stored at forward time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.func import functional_call
+
+Batch = tuple[Tensor, Tensor]
+Weights = dict[str, Tensor]
+
+
+def forward_lag(schedule: str, k: int) -> int:
+    return k if schedule == "fdg" else 0
+
+
+def staleness(schedule: str, k: int, num_stages: int) -> int:
+    return (num_stages - 1 - k) * {"fdg": 2, "ddg": 1, "sync": 0}[schedule]
+
+
+def update_lag(schedule: str, k: int, num_stages: int) -> int:
+    return forward_lag(schedule, k) + staleness(schedule, k, num_stages)
+
+
+def flat(module: nn.Module) -> Tensor:
+    return torch.cat([p.detach().reshape(-1).clone() for p in module.parameters()])
+
+
+def _weights(module: nn.Module) -> Weights:
+    return {n: p.detach().clone() for n, p in module.named_parameters()}
+
+
+def simulate(
+    stages: Sequence[nn.Module],
+    epochs: Sequence[Sequence[Batch]],
+    schedule: str,
+    make_optimizer: Callable[[nn.Module], torch.optim.Optimizer],
+    weights: str = "stash",
+    beta: float = 1.0,
+) -> list[list[Tensor]]:
+    """Train ``stages`` as the pipeline would; returns each stage's flat parameters after every iteration.
+
+    Each epoch is fed to an empty pipeline and drained at its end (as the strategy does).
+    """
+    num = len(stages)
+    optimizers = [make_optimizer(s) for s in stages]
+    history: list[list[Tensor]] = [[] for _ in stages]
+    drain = max(update_lag(schedule, k, num) for k in range(num))
+    for batches in epochs:
+        snapshots: list[list[Weights]] = [[] for _ in stages]  # [stage][iteration]: weights at its start
+        for t in range(len(batches) + drain):
+            for k, s in enumerate(stages):
+                snapshots[k].append(_weights(s))
+            grads = {}
+            for k in range(num):
+                b = t - update_lag(schedule, k, num)
+                if 0 <= b < len(batches):
+                    grads[k] = _stage_gradient(stages, snapshots, batches[b], b, k, schedule, weights, beta)
+            for k, g in grads.items():
+                for p, gp in zip(stages[k].parameters(), g, strict=True):
+                    p.grad = gp
+                optimizers[k].step()
+                optimizers[k].zero_grad(set_to_none=True)
+            for k, s in enumerate(stages):
+                history[k].append(flat(s))
+    return history
+
+
+def _stage_gradient(
+    stages: Sequence[nn.Module],
+    snapshots: list[list[Weights]],
+    batch: Batch,
+    b: int,
+    k: int,
+    schedule: str,
+    weights: str,
+    beta: float,
+) -> list[Tensor]:
+    num = len(stages)
+    x, y = batch
+    activations = [x]
+    with torch.no_grad():
+        for j in range(num - 1):
+            w = snapshots[j][b + forward_lag(schedule, j)]
+            activations.append(functional_call(stages[j], w, (activations[j],)))
+    grad_out: Tensor | None = None
+    for j in range(num - 1, k - 1, -1):
+        at = forward_lag(schedule, j) if weights == "stash" else update_lag(schedule, j, num)
+        params = {n: w.clone().requires_grad_() for n, w in snapshots[j][b + at].items()}
+        inp = activations[j].clone().requires_grad_(j > 0)
+        out = functional_call(stages[j], params, (inp,))
+        if j == num - 1:
+            F.cross_entropy(out, y).backward()
+        else:
+            assert grad_out is not None
+            out.backward(grad_out * beta)
+        if j == k:
+            return [params[n].grad for n, _ in stages[j].named_parameters()]  # type: ignore[misc]
+        grad_out = inp.grad
+    raise AssertionError("unreachable")
+
+
+def plain_backprop(
+    model: nn.Module, epochs: Sequence[Sequence[Batch]], make_optimizer: Callable[[nn.Module], torch.optim.Optimizer]
+) -> list[Tensor]:
+    """Ordinary single-process training; the whole model's flat parameters after every step."""
+    optimizer = make_optimizer(model)
+    out = []
+    for batches in epochs:
+        for x, y in batches:
+            optimizer.zero_grad(set_to_none=True)
+            F.cross_entropy(model(x), y).backward()
+            optimizer.step()
+            out.append(flat(model))
+    return out

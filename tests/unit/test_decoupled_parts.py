@@ -1,0 +1,187 @@
+"""Pieces of the decoupled pipeline without processes: schedules, cutting, and weight versions."""
+
+import copy
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_hier.algorithms.decoupled import (
+    Schedule,
+    StageRunner,
+    balanced_split,
+    check_split,
+    measure_block_costs,
+    stage_ranges,
+)
+
+
+def test_staleness_and_lags_follow_the_papers():
+    for k in range(4):
+        assert Schedule("fdg", 4).staleness(k) == 2 * (3 - k)  # FDG
+        assert Schedule("ddg", 4).staleness(k) == 3 - k  # DDG
+        assert Schedule("sync", 4).staleness(k) == 0
+        assert Schedule("fdg", 4).update_lag(k) == 2 * 4 - 2 - k  # batch b applied at b + 2K - 2 - k
+    assert [Schedule(s, 4).drain_iterations for s in ("fdg", "ddg", "sync")] == [6, 3, 0]
+    with pytest.raises(ValueError, match="one of 'fdg', 'ddg', 'sync'"):
+        Schedule("gpipe", 2)
+
+
+def _brute_force(costs, stages):
+    best = None
+    for points in itertools.combinations(range(1, len(costs)), stages - 1):
+        bounds = (0, *points, len(costs))
+        worst = max(sum(costs[a:b]) for a, b in itertools.pairwise(bounds))
+        if best is None or worst < best[0]:
+            best = (worst, points)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("stages", [1, 2, 3, 4])
+def test_balanced_split_minimises_the_slowest_stage(seed, stages):
+    g = torch.Generator().manual_seed(seed)
+    costs = (torch.rand(7, generator=g) * 10).tolist()
+    split = balanced_split(costs, stages)
+    check_split(split, len(costs), stages)
+    worst = max(sum(costs[i] for i in r) for r in stage_ranges(split, len(costs)))
+    assert worst == pytest.approx(_brute_force(costs, stages)[0])
+
+
+def test_balanced_split_follows_the_cost_not_the_count():
+    assert balanced_split([1, 1, 1, 1, 1, 1, 6], 2) == (6,)
+    assert balanced_split([5, 1, 1, 1, 1, 1], 2) == (1,)
+
+
+@pytest.mark.parametrize(
+    ("split", "blocks", "stages", "match"),
+    [
+        ((1,), 1, 2, "cannot cut 1 block"),
+        ((2,), 4, 3, "must hold 2 strictly increasing"),
+        ((3, 2), 4, 3, "strictly increasing"),
+        ((0,), 4, 2, "strictly increasing"),
+        ((4,), 4, 2, r"in \[1, 3\]"),
+    ],
+)
+def test_bad_splits_are_rejected(split, blocks, stages, match):
+    with pytest.raises(ValueError, match=match):
+        check_split(split, blocks, stages)
+
+
+def test_measuring_block_costs_changes_nothing():
+    torch.manual_seed(0)
+    blocks = [
+        nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.Dropout(0.5)),
+        nn.Sequential(nn.Flatten(), nn.Linear(144, 3)),
+    ]
+    before = [copy.deepcopy(b.state_dict()) for b in blocks]
+    sample = torch.randn(8, 1, 8, 8)
+    rng = torch.get_rng_state()
+    costs = measure_block_costs(blocks, sample, repeats=2)
+    assert len(costs) == 2 and all(c > 0 for c in costs)
+    assert torch.equal(torch.get_rng_state(), rng)
+    for b, state in zip(blocks, before, strict=True):
+        assert all(torch.equal(v, b.state_dict()[k]) for k, v in state.items())
+        assert all(p.grad is None for p in b.parameters())
+
+
+def _mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 3))
+
+
+def _bump(module: nn.Module) -> None:
+    """An in-place update as an optimizer makes it."""
+    with torch.no_grad():
+        for p in module.parameters():
+            p.mul_(1.5).add_(0.1)
+
+
+def test_stash_backpropagates_at_the_forward_time_weights():
+    stage = _mlp()
+    old = copy.deepcopy(stage)
+    runner = StageRunner(stage, "stash")
+    x, g = torch.randn(6, 4, requires_grad=True), torch.randn(6, 3)
+    out, entry = runner.forward_delayed(x, batch=0)
+    _bump(stage)
+    leaves = runner.backward_delayed(entry, g)
+    x_ref = x.detach().clone().requires_grad_()
+    old(x_ref).backward(g)
+    torch.testing.assert_close(out, old(x_ref).detach())
+    torch.testing.assert_close(
+        torch.cat([g.reshape(-1) for g in runner.grads(leaves)]),
+        torch.cat([p.grad.reshape(-1) for p in old.parameters()]),
+    )
+    torch.testing.assert_close(x.grad, x_ref.grad)
+
+
+def test_legacy_keeps_the_graph_but_reads_the_current_weights():
+    stage = _mlp()
+    runner = StageRunner(stage, "legacy")
+    x, g = torch.randn(6, 4, requires_grad=True), torch.randn(6, 3)
+    _, entry = runner.forward_delayed(x, batch=0)
+    w1_old, b1_old = stage[0].weight.detach().clone(), stage[0].bias.detach().clone()
+    _bump(stage)
+    leaves = runner.backward_delayed(entry, g)
+    # by hand: activations from forward time, weights from now (where autograd saved them)
+    h_pre = x.detach() @ w1_old.T + b1_old
+    h = h_pre.clamp(min=0)
+    dh = (g @ stage[2].weight.detach()) * (h_pre > 0)
+    expected = torch.cat([(dh.T @ x.detach()).reshape(-1), dh.sum(0), (g.T @ h).reshape(-1), g.sum(0)])
+    torch.testing.assert_close(torch.cat([g.reshape(-1) for g in runner.grads(leaves)]), expected)
+    torch.testing.assert_close(x.grad, dh @ stage[0].weight.detach())
+
+
+def test_recompute_reruns_with_current_weights_same_dropout_and_one_statistics_update():
+    torch.manual_seed(1)
+    stage = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Dropout(0.5), nn.Linear(8, 3))
+    runner = StageRunner(stage, "recompute")
+    x, g = torch.randn(16, 4, requires_grad=True), torch.randn(16, 3)
+    state = torch.get_rng_state()
+    out, entry = runner.forward_delayed(x, batch=0)
+    stats_after_forward = [b.clone() for b in stage.buffers()]
+    assert not out.requires_grad and entry.output is None  # nothing but the input waits
+    _bump(stage)
+    after_forward_rng = torch.get_rng_state()
+    leaves = runner.backward_delayed(entry, g)
+    assert torch.equal(torch.get_rng_state(), after_forward_rng)  # the replay leaves the RNG alone
+    assert all(torch.equal(a, b) for a, b in zip(stage.buffers(), stats_after_forward, strict=True))
+    # reference: a fresh forward with the current weights and the forward's RNG state (same mask)
+    ref = copy.deepcopy(stage)
+    x_ref = x.detach().clone().requires_grad_()
+    torch.set_rng_state(state)
+    ref(x_ref).backward(g)
+    torch.testing.assert_close(
+        torch.cat([g.reshape(-1) for g in runner.grads(leaves)]),
+        torch.cat([p.grad.reshape(-1) for p in ref.parameters()]),
+    )
+    torch.testing.assert_close(x.grad, x_ref.grad)
+
+
+def test_staleness_zero_forward_needs_no_copy_and_sees_live_weights():
+    stage = _mlp()
+    runner = StageRunner(stage, "stash")
+    x = torch.randn(3, 4)
+    out, leaves = runner.forward_now(x)
+    assert leaves[0].data_ptr() == stage[0].weight.data_ptr()  # a view of the live weights, not a copy
+    F.cross_entropy(out, torch.tensor([0, 1, 2])).backward()
+    assert leaves[0].grad is not None and stage[0].weight.grad is None  # gradients land on the version leaf
+
+
+@pytest.mark.parametrize("weights", ["stash", "legacy", "recompute"])
+def test_graphs_waiting_in_the_fifo_survive_later_batchnorm_updates(weights):
+    torch.manual_seed(2)
+    stage = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.ReLU(), nn.Linear(6, 2))
+    plain = copy.deepcopy(stage)
+    runner = StageRunner(stage, weights)
+    xs = [torch.randn(5, 4) for _ in range(3)]
+    entries = [runner.forward_delayed(x, batch=i)[1] for i, x in enumerate(xs)]
+    for x in xs:
+        plain(x)
+    # each forward updated the statistics exactly once, as the plain module's forwards did
+    assert all(torch.equal(a, b) for a, b in zip(stage.buffers(), plain.buffers(), strict=True))
+    for entry in entries:
+        runner.backward_delayed(entry, torch.ones(5, 2))
+    assert all(torch.equal(a, b) for a, b in zip(stage.buffers(), plain.buffers(), strict=True))
