@@ -185,11 +185,17 @@ def _not_found(source: Path) -> DatasetNotFoundError:
 
 
 def load_cifar10_arrays(root: str | Path, cache_dir: str | Path | None = None, train_size: int | None = None) -> Arrays:
-    """Train and test splits as :class:`Arrays` (the test split is used for validation)."""
+    """Train and test splits as :class:`Arrays` (the test split is used for validation).
+
+    ``train_size`` keeps a fixed random subset of the training images (see :class:`CIFAR10DataModule`).
+    """
     x_train, y_train = read_cifar10_split(root, "train", cache_dir)
     x_val, y_val = read_cifar10_split(root, "test", cache_dir)
     if train_size is not None:
-        x_train, y_train = x_train[:train_size], y_train[:train_size]
+        # a fixed random subset, the same in every process: image-folder sources are stored class by
+        # class, so the first `train_size` images would hold only one or two classes
+        keep = np.sort(np.random.default_rng(0).permutation(len(x_train))[:train_size])
+        x_train, y_train = x_train[keep], y_train[keep]
     return Arrays(
         torch.from_numpy(x_train),
         torch.from_numpy(y_train),
@@ -207,7 +213,8 @@ class CIFAR10DataModule(ArrayDataModule):
     Args:
         root: A source as described in the module docstring.
         cache_dir: Where decoded arrays are cached (default ``~/.cache/lightning_hier``).
-        train_size: Use only the first ``train_size`` training images (quick experiments).
+        train_size: Use only ``train_size`` training images (quick experiments): a fixed random
+            subset (seed 0), identical in every process and run, with every class represented.
         download: Download the python batches through torchvision (needs the 'vision' extra).
         augment: Random crop (padding 4) and flip of training batches (default on).
         **kwargs: See :class:`~lightning_hier.data.datamodule.ArrayDataModule`.

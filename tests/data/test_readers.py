@@ -17,6 +17,7 @@ from lightning_hier.data import (
     DigitsDataModule,
     MNISTDataModule,
     SyntheticDataModule,
+    load_cifar10_arrays,
     load_mnist_arrays,
     read_cifar10_split,
     read_idx,
@@ -65,6 +66,16 @@ def test_cifar10_image_folder_tree(tmp_path):
     x, y = read_cifar10_split(tmp_path / "tree", "train", cache_dir=tmp_path / "cache")
     assert x.shape == (20, 3, 32, 32) and sorted(set(y.tolist())) == list(range(10))
     assert x[y == 3][0, 0, 0, 0] == 30  # pixels and labels stay paired
+
+
+def test_cifar10_train_size_is_a_fixed_subset_with_every_class(tmp_path):
+    # image-folder trees are decoded class by class: a prefix of 20 would hold classes 0 and 1 only
+    _image_tree(tmp_path / "tree", per_class=10)
+    a = load_cifar10_arrays(tmp_path / "tree", cache_dir=tmp_path / "cache", train_size=20)
+    b = load_cifar10_arrays(tmp_path / "tree", cache_dir=tmp_path / "cache", train_size=20)
+    assert len(a.y_train) == 20 and len(set(a.y_train.tolist())) >= 6
+    assert torch.equal(a.x_train, b.x_train) and torch.equal(a.y_train, b.y_train)
+    assert all(int(x[0, 0, 0]) // 10 == int(y) for x, y in zip(a.x_train, a.y_train, strict=True))
 
 
 def test_cifar10_python_batches_in_an_archive(tmp_path):

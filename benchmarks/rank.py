@@ -1,0 +1,148 @@
+"""What one benchmark rank does: compose the run's config, fit, and measure.
+
+The ``Trainer(num_nodes=W, devices=1)`` built here *joins* the job started by the runner (every
+rank is its own "node", as on a real cluster). The config is composed from ``conf/`` and the
+recipe's experiment exactly as ``python -m lightning_hier.train`` would, and built with the same
+helpers. A :class:`Recorder` keeps the validation accuracy against training time.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+from lightning.pytorch.callbacks import Callback
+from omegaconf import OmegaConf
+
+from lightning_hier.train import build_module, build_strategy, build_trainer, conf_dir
+
+# What every benchmark rank needs regardless of the workload: no progress bars, checkpoints or
+# sanity checks (they would be timed), popen start method (under torchrun-style env: join).
+RUN_OVERRIDES = (
+    "start_method=popen",
+    "trainer.devices=1",
+    "trainer.enable_progress_bar=false",
+    "trainer.enable_checkpointing=false",
+    "trainer.enable_model_summary=false",
+    "trainer.num_sanity_val_steps=0",
+)
+
+
+class Recorder(Callback):
+    """Validation accuracy against *training* time (wall time minus time spent validating).
+
+    Attributes:
+        timeline: One entry per validation: ``epoch``, ``step``, ``train_s``, ``wall_s``,
+            ``samples`` (this rank's, so far) and ``val_acc``.
+        samples: Training samples this rank processed.
+        train_s: Training time of the fit (set at the end).
+    """
+
+    def __init__(self, clock: Any = time.perf_counter) -> None:
+        self.clock = clock
+        self.timeline: list[dict[str, float]] = []
+        self.samples = 0
+        self.train_s = 0.0
+        self.wall_s = 0.0
+        self._t0 = 0.0
+        self._val_s = 0.0
+        self._val_start = 0.0
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._t0, self._val_s, self.samples, self.timeline = self.clock(), 0.0, 0, []
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self.samples += len(batch[0])
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._val_start = self.clock()
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.sanity_checking:
+            return
+        now = self.clock()
+        acc = trainer.callback_metrics.get("val/acc")
+        self.timeline.append(
+            {
+                "epoch": trainer.current_epoch,
+                "step": trainer.global_step,
+                "train_s": self._val_start - self._t0 - self._val_s,
+                "wall_s": now - self._t0,
+                "samples": self.samples,
+                "val_acc": float("nan") if acc is None else float(acc),
+            }
+        )
+        self._val_s += now - self._val_start
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.wall_s = self.clock() - self._t0
+        self.train_s = self.wall_s - self._val_s
+
+
+def compose_config(overrides: list[str], searchpath: str | None) -> Any:
+    """The config ``python -m lightning_hier.train <overrides>`` would build (plus the recipe path)."""
+    extra = [f"hydra.searchpath=[file://{searchpath}]"] if searchpath else []
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+        return compose("train", overrides=[*extra, *overrides])
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory (``VmHWM``), in MiB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def run_rank(spec: dict[str, Any], callbacks: list[Callback] | None = None) -> dict[str, Any]:
+    """Fit the spec's run on this rank and return its measurements.
+
+    Args:
+        spec: ``overrides`` (Hydra overrides), ``searchpath`` (recipe folder or None), ``ranks``
+            (world size) and ``out_dir`` (the trainer's root directory).
+        callbacks: Extra callbacks (e.g. a delay-mode straggler on the slow rank).
+    """
+    torch.set_num_threads(1)
+    world = int(spec["ranks"])
+    cfg = compose_config([*spec["overrides"], *RUN_OVERRIDES, f"trainer.num_nodes={world}"], spec.get("searchpath"))
+    pl.seed_everything(cfg.seed, workers=True, verbose=False)
+    recorder = Recorder()
+    all_callbacks: list[Callback] = [recorder, *(callbacks or [])]
+    datamodule = instantiate(cfg.data)
+    module = build_module(cfg, datamodule)
+    trainer = build_trainer(cfg, build_strategy(cfg), spec["out_dir"], callbacks=all_callbacks, logger=False)
+    trainer.fit(module, datamodule=datamodule)
+    return _measurements(trainer, recorder, cfg, all_callbacks)
+
+
+def _measurements(trainer: pl.Trainer, recorder: Recorder, cfg: Any, callbacks: list[Callback]) -> dict[str, Any]:
+    stats = getattr(trainer.strategy, "comm_stats", None)
+    slept = sum(float(getattr(cb, "delay_s", 0.0)) for cb in callbacks)  # the delay-mode straggler's stall
+    return {
+        "rank": trainer.global_rank,
+        "world_size": trainer.world_size,
+        "replicas": int(_sampler_kwargs(trainer).get("num_replicas", trainer.world_size)),
+        "epochs": trainer.current_epoch,
+        "steps": trainer.global_step,
+        "samples": recorder.samples,
+        "train_s": recorder.train_s,
+        "wall_s": recorder.wall_s,
+        "timeline": recorder.timeline,
+        "comm": None if stats is None else stats.state_dict(),
+        "strategy_metrics": dict(getattr(trainer.strategy, "last_metrics", {}) or {}),
+        "straggler_slept_s": slept,
+        "peak_rss_mb": peak_rss_mb(),
+        "strategy_config": OmegaConf.to_container(cfg.strategy, resolve=True),
+        "parameters": sum(p.numel() for p in trainer.lightning_module.parameters()),
+    }
+
+
+def _sampler_kwargs(trainer: pl.Trainer) -> dict[str, Any]:
+    return dict(getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {})

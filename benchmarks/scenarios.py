@@ -1,0 +1,272 @@
+"""What the harness runs: workloads (model, data, link, straggler) and one line per strategy.
+
+A *workload* is a recipe's Hydra experiment config (``recipes/<recipe>/experiment/<name>.yaml``)
+plus the emulated network and an optional straggler. Every workload runs Lightning's ``ddp``
+first, so each strategy is compared with a DDP run of the same invocation, same model, data and
+link. A *scenario* adds one strategy to a workload:
+
+    Scenario("grawa_cnn", "localsgd", {"tau": 8}, Target("bytes_per_epoch", "~", 1 / 8, "P floats every 8 steps")),
+
+Adding a strategy to the benchmark is one such line. Scenarios whose strategy is not registered
+(not built yet) are skipped with a message; their arguments are checked against the strategy's
+config before anything starts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from benchmarks.straggler import Straggler
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPES = REPO / "recipes"
+BASELINE = "ddp"
+NO_COMM = "no-comm"
+METRICS = ("samples_per_s", "epoch_s", "bytes_per_epoch", "final_acc")
+OPS = (">=", "<=", "~")
+APPROX_TOLERANCE = 1.5  # '~' is met within a factor 1.5 of the value, either way
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Model, data and cluster shared by the runs compared in one table.
+
+    Attributes:
+        name: Identifier (used in file names and ``--workloads``).
+        recipe: Folder under ``recipes/`` holding the experiment config.
+        experiment: Name of ``recipes/<recipe>/experiment/<experiment>.yaml``.
+        description: One line for the table's heading.
+        target_acc: Validation accuracy whose first crossing is reported as "time to target".
+        link: tc rate of every link (``'1gbit'``, ``'100mbit'``, ``'unlimited'``).
+        straggler: ``(rank, factor)``: that rank runs ``factor`` times slower (all runs, DDP too).
+        quick: Overrides that shrink the workload for ``--quick``.
+    """
+
+    name: str
+    recipe: str
+    experiment: str
+    description: str
+    target_acc: float
+    link: str = "1gbit"
+    straggler: tuple[int, float] | None = None
+    quick: tuple[str, ...] = ("data.train_size=4096", "trainer.max_epochs=2", "++trainer.limit_val_batches=4")
+
+    @property
+    def searchpath(self) -> Path:
+        return RECIPES / self.recipe
+
+    def straggler_spec(self, mode: str, callback: str) -> Straggler | None:
+        if self.straggler is None:
+            return None
+        rank, factor = self.straggler
+        return Straggler(rank=rank, factor=factor, mode=mode, callback=callback)
+
+
+@dataclass(frozen=True)
+class Target:
+    """A ratio against DDP that a scenario should reach.
+
+    Attributes:
+        metric: One of :data:`METRICS` (the ratio is strategy / DDP).
+        op: ``'>='``, ``'<='`` or ``'~'`` (within a factor :data:`APPROX_TOLERANCE`).
+        value: The ratio to reach.
+        why: The reason to expect it (shown in the report).
+    """
+
+    metric: str
+    op: str
+    value: float
+    why: str = ""
+
+    def __post_init__(self) -> None:
+        if self.metric not in METRICS:
+            raise ValueError(f"Target: metric must be one of {', '.join(METRICS)}, got {self.metric!r}.")
+        if self.op not in OPS:
+            raise ValueError(f"Target: op must be one of {', '.join(OPS)}, got {self.op!r}.")
+
+    def met(self, ratio: float) -> bool:
+        if self.op == ">=":
+            return ratio >= self.value
+        if self.op == "<=":
+            return ratio <= self.value
+        return self.value / APPROX_TOLERANCE <= ratio <= self.value * APPROX_TOLERANCE
+
+    def describe(self) -> str:
+        return f"{'~' if self.op == '~' else self.op} {self.value:.3g}"
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One strategy (with arguments) run on one workload.
+
+    Attributes:
+        workload: Name of a :class:`Workload`.
+        strategy: Registry name (``conf/strategy/<strategy>.yaml``).
+        args: Constructor arguments (become ``strategy.<key>=<value>`` overrides).
+        target: Expected ratio against DDP, if the issue sets one.
+        label: Name in tables (default: the strategy name).
+        overrides: Extra Hydra overrides for this run only, e.g. ``data.batch_size=256`` for a
+            layout with one data-parallel replica, so the global batch stays DDP's.
+    """
+
+    workload: str
+    strategy: str
+    args: Mapping[str, Any] = field(default_factory=dict)
+    target: Target | None = None
+    label: str = ""
+    overrides: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "args", MappingProxyType(dict(self.args)))
+        if not self.label:
+            object.__setattr__(self, "label", self.strategy)
+
+    def hydra_overrides(self) -> list[str]:
+        args = [f"strategy.{k}={hydra_value(v)}" for k, v in self.args.items()]
+        return [f"strategy={self.strategy}", *args, *self.overrides]
+
+
+def hydra_value(value: Any) -> str:
+    """``value`` written as a Hydra command-line value."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, list | tuple):
+        return "[" + ",".join(hydra_value(v) for v in value) + "]"
+    text = str(value)
+    return text if text.replace("_", "").replace("-", "").replace(".", "").isalnum() else f"'{text}'"
+
+
+WORKLOADS: dict[str, Workload] = {
+    w.name: w
+    for w in (
+        Workload(
+            "hpsgd_mlp",
+            "hpsgd",
+            "hpsgd_cifar10_mlp",
+            "MLP 3x1024 on CIFAR-10, batch 512/rank: its 21 MB all-reduce takes about as long as its compute",
+            target_acc=0.40,
+        ),
+        Workload("hpsgd_cnn", "hpsgd", "hpsgd_cifar10_cnn", "small CNN on CIFAR-10 (20k images), compute-bound", 0.55),
+        Workload("grawa_cnn", "grawa", "grawa_cifar10_cnn", "small CNN on CIFAR-10 (20k images), compute-bound", 0.55),
+        Workload(
+            "dbs_straggler",
+            "dbs",
+            "dbs_cifar10_cnn",
+            "small CNN on CIFAR-10 (20k images), rank 1 slowed 2x (all runs, DDP too)",
+            target_acc=0.50,
+            straggler=(1, 2.0),
+        ),
+        Workload(
+            "decoupled_cnn", "decoupled", "decoupled_cifar10_cnn", "small CNN on CIFAR-10 (20k images), 2 stages", 0.55
+        ),
+        Workload(
+            "grid2d_mlp", "grid2d", "grid2d_cifar10_mlp", "MLP 3x2048 on CIFAR-10 (20k images), global batch 256", 0.35
+        ),
+    )
+}
+
+# One line per (workload, strategy). Strategies not registered yet are skipped with a message.
+SCENARIOS: tuple[Scenario, ...] = (
+    Scenario("hpsgd_mlp", "hpsgd", {"window": 4}, Target("samples_per_s", ">=", 1.5, "all-reduce hidden by compute")),
+    Scenario("hpsgd_mlp", "localsgd", {"tau": 4}),
+    Scenario("hpsgd_cnn", "hpsgd", {"window": 4}),
+    Scenario("grawa_cnn", "localsgd", {"tau": 8}, Target("bytes_per_epoch", "~", 1 / 8, "P floats every tau=8 steps")),
+    Scenario("grawa_cnn", "mgrawa", {"tau": 32}, Target("bytes_per_epoch", "~", 1 / 32, "1 + P floats every 32 steps")),
+    Scenario("grawa_cnn", "lgrawa", {"tau": 32}, Target("bytes_per_epoch", "~", 1 / 32, "L + P floats every 32 steps")),
+    Scenario("grawa_cnn", "easgd", {"tau": 4}),
+    Scenario("grawa_cnn", "lsgd", {"tau": 4}),
+    Scenario("dbs_straggler", "dbs", {}, Target("epoch_s", "<=", 0.75, "batch shares follow speed 2:1")),
+    Scenario("dbs_straggler", "localsgd", {"tau": 8}),
+    Scenario("decoupled_cnn", "decoupled", {}, overrides=("data.batch_size=256",)),  # K=2 stages, 1 replica
+    Scenario("grid2d_mlp", "grid2d", {"grid": [2, 1]}, overrides=("data.batch_size=256",)),  # Pr=2, Pc=1: 1 replica
+)
+
+
+def no_comm_reference(workload: str) -> Scenario:
+    """The workload without communication (Local SGD that never averages during training).
+
+    Its training time is the compute-only limit; DDP's time blocked in communication, which
+    DDP does not expose, is estimated as DDP's training time minus this one.
+    """
+    return Scenario(workload, "localsgd", {"tau": 10**9, "sync_buffers": False}, label=NO_COMM)
+
+
+def baseline(workload: str) -> Scenario:
+    return Scenario(workload, BASELINE, {})
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The runs of one invocation, per workload (DDP first), and what was skipped and why."""
+
+    runs: dict[str, list[Scenario]]
+    skipped: list[tuple[Scenario, str]]
+
+
+def plan(
+    available: Iterable[str],
+    workloads: Iterable[str] | None = None,
+    strategies: Iterable[str] | None = None,
+    reference: bool = False,
+    scenarios: Iterable[Scenario] = SCENARIOS,
+) -> Plan:
+    """Select the scenarios to run.
+
+    Args:
+        available: Registered strategy names that have a config (see :func:`available_strategies`).
+        workloads: Only these workloads (default: all).
+        strategies: Only scenarios of these strategies or labels (default: all).
+        reference: Also run the no-communication reference per workload.
+        scenarios: The scenario table.
+
+    Raises:
+        ValueError: An unknown workload or strategy name was requested.
+    """
+    scenarios = list(scenarios)
+    available = set(available)
+    wanted_w = _check_names("workload", workloads, WORKLOADS)
+    wanted_s = _check_names("strategy", strategies, {s.strategy for s in scenarios} | {s.label for s in scenarios})
+    runs: dict[str, list[Scenario]] = {}
+    skipped: list[tuple[Scenario, str]] = []
+    for sc in scenarios:
+        if sc.workload not in WORKLOADS:
+            raise ValueError(f"scenario {sc.label!r} names unknown workload {sc.workload!r}.")
+        if (wanted_w and sc.workload not in wanted_w) or (wanted_s and not {sc.strategy, sc.label} & wanted_s):
+            continue
+        if sc.strategy not in available:
+            skipped.append((sc, f"strategy '{sc.strategy}' is not registered yet (or has no conf/strategy file)"))
+            continue
+        runs.setdefault(sc.workload, [baseline(sc.workload)]).append(sc)
+    if reference:
+        for name, entries in runs.items():
+            ref = no_comm_reference(name)
+            if ref.strategy in available:
+                entries.insert(1, ref)
+            else:
+                skipped.append((ref, f"the no-communication reference needs '{ref.strategy}'"))
+    return Plan(runs, skipped)
+
+
+def _check_names(kind: str, names: Iterable[str] | None, known: Iterable[str]) -> set[str]:
+    wanted = set(names or ())
+    unknown = wanted - set(known)
+    if unknown:
+        raise ValueError(f"unknown {kind}(s) {sorted(unknown)}; known: {', '.join(sorted(known))}.")
+    return wanted
+
+
+def available_strategies(conf: Path) -> set[str]:
+    """Registered strategy names (``lightning_hier`` imported) that have ``conf/strategy/<name>.yaml``."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    import lightning_hier  # noqa: F401  registers the names
+
+    return {name for name in StrategyRegistry if (conf / "strategy" / f"{name}.yaml").is_file()}

@@ -1,0 +1,175 @@
+"""Summaries, ratios against DDP, targets and rendering, on hand-made rank reports."""
+
+import json
+import math
+
+import pytest
+
+from benchmarks import publish
+from benchmarks.launch import JobResult
+from benchmarks.report import (
+    acc_at,
+    check_target,
+    compare,
+    diagnosis,
+    median_run,
+    meta_line,
+    replace_between,
+    summarize,
+    time_to,
+    workload_table,
+)
+from benchmarks.scenarios import BASELINE, NO_COMM, WORKLOADS, Scenario, Target
+
+W = WORKLOADS["grawa_cnn"]  # target accuracy 0.55
+
+
+def _rank(rank, train_s, samples, accs, comm=None, replicas=2, rss=100.0):
+    per_epoch = train_s / len(accs)
+    timeline = [
+        {"epoch": e, "step": 10 * (e + 1), "train_s": per_epoch * (e + 1), "wall_s": 0.0, "samples": 0, "val_acc": a}
+        for e, a in enumerate(accs)
+    ]
+    return {
+        "rank": rank,
+        "epochs": len(accs),
+        "steps": 10 * len(accs),
+        "samples": samples,
+        "train_s": train_s,
+        "wall_s": train_s + 1,
+        "timeline": timeline,
+        "comm": comm,
+        "replicas": replicas,
+        "peak_rss_mb": rss + rank,
+        "strategy_config": {},
+    }
+
+
+def _job(train_s, accs, tx, comm=None, replicas=2):
+    ranks = [_rank(r, train_s - r, 1000, accs, comm and comm[r], replicas) for r in range(2)]
+    return JobResult(ranks=ranks, tx_bytes=tx, rx_bytes=tx[::-1], launch_s=train_s + 10, cores=[0, 1])
+
+
+def _runs():
+    ddp = summarize(Scenario("grawa_cnn", BASELINE), _job(40.0, [0.4, 0.5, 0.6, 0.62], [800, 800]))
+    ref = summarize(Scenario("grawa_cnn", "localsgd", label=NO_COMM), _job(10.0, [0.3, 0.4, 0.5, 0.55], [0, 0]))
+    comm = [{"bytes": 100, "calls": 1, "blocked_s": 2.0}, {"bytes": 100, "calls": 1, "blocked_s": 3.0}]
+    local = summarize(
+        Scenario("grawa_cnn", "localsgd", {"tau": 8}), _job(20.0, [0.45, 0.56, 0.58, 0.6], [90, 110], comm)
+    )
+    return {BASELINE: ddp, NO_COMM: ref, "localsgd": local}
+
+
+def test_summary_of_one_run():
+    s = _runs()["localsgd"]
+    # 2 ranks x 1000 samples over the slowest rank's 20 s; 4 epochs; mean bytes over ranks per epoch
+    assert s["samples_per_s"] == 100.0 and s["epoch_s"] == 5.0 and s["bytes_per_epoch"] == 25.0
+    assert s["blocked_s"] == 3.0 and s["payload_bytes"] == [100, 100] and s["peak_rss_mb"] == 101.0
+    assert s["final_acc"] == 0.6 and s["args"] == {"tau": 8}
+    # a pipeline of 2 stages is one replica: its ranks' samples count once
+    pipe = summarize(Scenario("decoupled_cnn", "decoupled"), _job(20.0, [0.5], [1, 1], replicas=1))
+    assert pipe["samples_per_s"] == 50.0
+
+
+def test_accuracy_at_a_time_and_time_to_target():
+    timeline = [{"train_s": 10.0, "val_acc": 0.3}, {"train_s": 20.0, "val_acc": 0.6}, {"train_s": 30.0, "val_acc": 0.5}]
+    assert math.isnan(acc_at(timeline, 9.9)) and acc_at(timeline, 10.0) == 0.3 and acc_at(timeline, 29.0) == 0.6
+    assert time_to(timeline, 0.55) == 20.0 and time_to(timeline, 0.7) is None
+
+
+def test_comparison_against_ddp():
+    runs = _runs()
+    comp = compare(W, runs)
+    assert comp["equal_time_s"] == 20.0  # the fastest run, the no-communication reference excluded
+    row = comp["rows"]["localsgd"]
+    assert row["samples_per_s_ratio"] == pytest.approx(2.0) and row["epoch_s_ratio"] == pytest.approx(0.5)
+    assert row["bytes_per_epoch_ratio"] == pytest.approx(0.125) and row["final_acc_delta"] == pytest.approx(-0.02)
+    assert row["time_to_target_s"] == 10.0 and row["acc_at_equal_time"] == 0.6
+    assert comp["rows"][BASELINE]["acc_at_equal_time"] == 0.5  # DDP had done 2 of 4 epochs by then
+    # DDP exposes no blocked time: estimated against the no-communication reference (40 - 10 s)
+    assert runs[BASELINE]["blocked_s"] == 30.0 and runs[BASELINE]["blocked_estimated"]
+
+
+def test_targets_met_missed_pending_failed():
+    runs = _runs()
+    result = {"runs": runs, "comparison": compare(W, runs)}
+    local = Scenario("grawa_cnn", "localsgd", {"tau": 8})
+    assert check_target(local, Target("bytes_per_epoch", "~", 1 / 8), result)["status"] == "met"
+    missed = check_target(local, Target("samples_per_s", ">=", 2.5), result)
+    assert missed["status"] == "missed" and missed["note"].startswith("missed by 20%")
+    pending = check_target(Scenario("grawa_cnn", "mgrawa"), Target("epoch_s", "<=", 1.0), result)
+    assert pending["status"] == "pending"
+    result["runs"]["localsgd"] = {"label": "localsgd", "error": "rank 1 exited with code 1.\nTraceback"}
+    assert check_target(local, Target("epoch_s", "<=", 1.0), result)["status"] == "failed"
+
+
+def test_diagnosis_breaks_the_step_time_down():
+    runs = _runs()
+    compare(W, runs)
+    text = diagnosis({"runs": runs}, "localsgd")
+    assert text == ("localsgd 500 ms/step (blocked 75 ms); ddp 1000 ms/step (est. blocked 750 ms); no-comm 250 ms/step")
+
+
+def test_replace_between_markers():
+    text = "a\n<!-- bench:x:start -->\nold\n<!-- bench:x:end -->\nb\n"
+    assert (
+        replace_between(text, "x", "new $1 \\1") == "a\n<!-- bench:x:start -->\nnew $1 \\1\n<!-- bench:x:end -->\nb\n"
+    )
+    with pytest.raises(ValueError, match="markers"):
+        replace_between(text, "y", "z")
+
+
+def test_outputs_json_markdown_and_plots(tmp_path):
+    pytest.importorskip("matplotlib")
+    runs = _runs()
+    runs["mgrawa"] = {"label": "mgrawa", "strategy": "mgrawa", "error": "rank 0 exited with code 1.\nboom"}
+    meta = {"date": "d", "commit": "c", "host_cpus": 2, "load_avg": [0.5, 0, 0], "torch": "t", "lightning": "l"}
+    meta |= {"ranks": 2, "quick": False}
+    results = {
+        "meta": meta,
+        "workloads": {"grawa_cnn": {"link": "1gbit", "runs": runs, "comparison": compare(W, runs)}},
+        "skipped": [{"workload": "hpsgd_mlp", "label": "hpsgd", "reason": "not registered"}],
+    }
+    publish.write_outputs(results, tmp_path, update_readme=False)
+    assert json.loads((tmp_path / "results.json").read_text())["workloads"]["grawa_cnn"]["runs"]["ddp"]["epochs"] == 4
+    assert (tmp_path / "grawa_cnn.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    md = (tmp_path / "results.md").read_text()
+    assert "| localsgd | tau=8 | 100 | 2.00 | 5.0 | 0.50 | 10 | 0.600 | -0.020 | 0.600 |" in md
+    assert "| mgrawa | failed: rank 0 exited with code 1. |" in md
+    assert "| ddp | defaults |" in md and "30.0 (est.)" in md and "![grawa_cnn](grawa_cnn.png)" in md
+    assert "| localsgd bytes_per_epoch | grawa_cnn | 0.125 | ~ 0.125 | met |" in md
+    assert "| hpsgd samples_per_s | hpsgd_mlp | - | >= 1.5 | pending |" in md
+    assert "Not run: hpsgd_mlp / hpsgd (not registered)." in md
+
+
+def test_runs_on_a_busy_machine_are_labelled_preliminary():
+    meta = {"date": "d", "commit": "c", "host_cpus": 2, "torch": "t", "lightning": "l", "argv": ["--epochs", "2"]}
+    quiet = meta_line({**meta, "load_avg": [0.4, 0, 0]})
+    assert quiet.startswith("_full run d") and "arguments `--epochs 2`" in quiet
+    assert meta_line({**meta, "load_avg": [4.0, 0, 0]}).startswith("**Preliminary: the machine was busy (load 4.0")
+
+
+def test_repeats_report_the_median_run_and_the_range():
+    runs = [{"train_s": t, "samples_per_s": 1000 / t, "epochs": 1} for t in (12.0, 10.0, 20.0)]
+    median = median_run(runs)
+    assert median["train_s"] == 12.0 and median["repeats"] == pytest.approx([1000 / 12, 100.0, 50.0])
+    assert median_run(runs[:2])["train_s"] == 10.0  # even count: the lower middle
+    rows = _runs()
+    rows["localsgd"]["repeats"] = [90.0, 100.0, 120.0]
+    result = {"runs": rows, "comparison": compare(W, rows)}
+    assert "| localsgd | tau=8 | 100 (90-120) | 2.00 |" in workload_table(W, result)
+
+
+def test_a_partial_invocation_keeps_the_other_workloads_of_the_last_one():
+    old_meta, new_meta = {"date": "old"}, {"date": "new"}
+    previous = {
+        "meta": old_meta,
+        "workloads": {"grawa_cnn": {"runs": {"ddp": 1}}, "hpsgd_mlp": {"runs": {"ddp": 2}}, "gone": {"runs": {}}},
+        "skipped": [{"workload": "decoupled_cnn", "label": "decoupled"}, {"workload": "hpsgd_mlp", "label": "x"}],
+    }
+    new = {"meta": new_meta, "workloads": {"hpsgd_mlp": {"meta": new_meta, "runs": {"ddp": 3}}}, "skipped": []}
+    merged = publish.carry_over(new, previous)
+    assert merged["workloads"]["hpsgd_mlp"]["runs"] == {"ddp": 3}  # refreshed
+    assert merged["workloads"]["grawa_cnn"] == {"meta": old_meta, "runs": {"ddp": 1}}  # kept, with its provenance
+    assert "gone" not in merged["workloads"]  # no longer a workload
+    assert merged["skipped"] == [{"workload": "decoupled_cnn", "label": "decoupled"}]
