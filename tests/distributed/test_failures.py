@@ -5,50 +5,15 @@ import re
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
-import lightning.pytorch as pl
 import pytest
-import torch
-from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_hier import LocalSGDStrategy
 from lightning_hier.testing import WorkerFailed, run_workers
+from tests.distributed.scripts.failing_fit import fit
 
 SCRIPT = Path(__file__).parent / "scripts" / "failing_fit.py"
-
-
-class Failing(pl.LightningModule):
-    def __init__(self, mode: str) -> None:
-        super().__init__()
-        self.mode = mode
-        self.lin = torch.nn.Linear(4, 2)
-
-    def training_step(self, batch, batch_idx):
-        if self.global_rank == 1 and batch_idx == 2:
-            if self.mode == "raise":
-                raise ValueError("rank one broke")
-            time.sleep(3600)
-        x, y = batch
-        return torch.nn.functional.cross_entropy(self.lin(x), y)
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
-
-def _fit(mode: str, start_method: str = "popen", timeout: float = 4.0) -> None:
-    data = DataLoader(TensorDataset(torch.randn(64, 4), torch.randint(0, 2, (64,))), batch_size=4)
-    trainer = pl.Trainer(
-        strategy=LocalSGDStrategy(tau=1, timeout=timeout, start_method=start_method),
-        accelerator="cpu",
-        devices=2,
-        max_epochs=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    trainer.fit(Failing(mode), data)
 
 
 def _children(pid: int) -> list[int]:
@@ -65,13 +30,13 @@ def _children(pid: int) -> list[int]:
 
 def test_raising_rank_is_named_by_its_peers():
     with pytest.raises(WorkerFailed, match="rank 1 raised ValueError: rank one broke"):
-        run_workers(_fit, "raise", devices=2, timeout=60)
+        run_workers(partial(fit, timeout=4.0), "raise", devices=2, timeout=60)
 
 
 def test_hung_rank_fails_the_fit_within_the_timeout_and_is_named():
     start = time.monotonic()
     with pytest.raises(WorkerFailed) as info:
-        run_workers(_fit, "hang", devices=2, timeout=60)
+        run_workers(partial(fit, timeout=4.0), "hang", devices=2, timeout=60)
     elapsed = time.monotonic() - start
     # rank 0's collective timed out (4 s) and it names the silent rank; the watchdog ended rank 1
     assert "No failure report from rank(s) [1]" in str(info.value)
@@ -83,7 +48,7 @@ def test_hung_rank_fails_the_fit_within_the_timeout_and_is_named():
 def test_fork_launcher_fails_fast_and_leaves_no_orphans(mode):
     start = time.monotonic()
     with pytest.raises(Exception) as info:
-        _fit(mode, start_method="fork")
+        fit(mode, start_method="fork", timeout=4.0)
     elapsed = time.monotonic() - start
     assert re.search(r"rank one broke|No failure report from rank\(s\) \[1\]", str(info.value)), str(info.value)
     assert elapsed < 30, f"took {elapsed:.1f} s"
@@ -117,18 +82,6 @@ def test_a_rank_that_starts_late_joins_within_init_timeout():
     def late_start() -> int:
         if os.environ["RANK"] == "1":
             time.sleep(6)  # longer than `timeout`, shorter than `init_timeout`
-        data = DataLoader(TensorDataset(torch.randn(16, 4), torch.randint(0, 2, (16,))), batch_size=4)
-        trainer = pl.Trainer(
-            strategy=LocalSGDStrategy(tau=1, timeout=3, init_timeout=60),
-            accelerator="cpu",
-            devices=2,
-            max_epochs=1,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-        )
-        trainer.fit(Failing("none"), data)
-        return trainer.global_step
+        return fit("none", samples=16, timeout=3, init_timeout=60)
 
     assert run_workers(late_start, devices=2, timeout=90) == [2, 2]  # 16 samples, 2 ranks, batch 4

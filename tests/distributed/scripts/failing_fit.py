@@ -1,4 +1,7 @@
-"""A 2-process fit (popen launcher: this script is re-run for rank 1) where rank 1 fails.
+"""A 2-process fit where rank 1 raises or hangs at its third batch.
+
+Run as a script it uses the popen launcher (this script is re-run for rank 1);
+``tests/distributed/test_failures.py`` imports :func:`fit` for the fork/spawn cases.
 
 usage: python failing_fit.py raise|hang TIMEOUT_S
 """
@@ -11,17 +14,19 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-import lightning_hier
+from lightning_hier import LocalSGDStrategy
 
 
 class Failing(pl.LightningModule):
+    """A linear model whose rank 1 raises (``mode='raise'``) or hangs (``'hang'``) at batch 2."""
+
     def __init__(self, mode: str) -> None:
         super().__init__()
         self.mode = mode
         self.lin = torch.nn.Linear(4, 2)
 
     def training_step(self, batch, batch_idx):
-        if self.global_rank == 1 and batch_idx == 2:
+        if self.global_rank == 1 and batch_idx == 2 and self.mode != "none":
             if self.mode == "raise":
                 raise ValueError("rank one broke")
             time.sleep(3600)
@@ -32,13 +37,11 @@ class Failing(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-if __name__ == "__main__":
-    mode, timeout = sys.argv[1], float(sys.argv[2])
-    print(f"PID {os.getpid()} LOCAL_RANK {os.environ.get('LOCAL_RANK', '0')}", flush=True)
-    data = DataLoader(TensorDataset(torch.randn(64, 4), torch.randint(0, 2, (64,))), batch_size=4)
-    strategy = lightning_hier.LocalSGDStrategy(tau=1, timeout=timeout)
+def fit(mode: str, samples: int = 64, **strategy_kwargs) -> int:
+    """Fit :class:`Failing` on 2 CPU ranks with Local SGD (tau=1); returns the global step."""
+    data = DataLoader(TensorDataset(torch.randn(samples, 4), torch.randint(0, 2, (samples,))), batch_size=4)
     trainer = pl.Trainer(
-        strategy=strategy,
+        strategy=LocalSGDStrategy(tau=1, **strategy_kwargs),
         accelerator="cpu",
         devices=2,
         max_epochs=1,
@@ -48,3 +51,9 @@ if __name__ == "__main__":
         enable_model_summary=False,
     )
     trainer.fit(Failing(mode), data)
+    return trainer.global_step
+
+
+if __name__ == "__main__":
+    print(f"PID {os.getpid()} LOCAL_RANK {os.environ.get('LOCAL_RANK', '0')}", flush=True)
+    fit(sys.argv[1], timeout=float(sys.argv[2]))
