@@ -177,8 +177,16 @@ class Mailbox:
         Returns:
             The parcel received from each peer of ``recv_from`` (``None`` for an empty message).
         """
+        return self.post(send, recv_from).wait()
+
+    def post(self, send: Mapping[int, Parcel | None], recv_from: Iterable[int]) -> Posted:
+        """Start :meth:`exchange` without waiting: compute can run while the parcels travel.
+
+        The parcels to send are packed now (their tensors may change afterwards). Until
+        :meth:`Posted.wait` returns, the links involved are busy: post nothing else on them.
+        """
         ops: list[dist.P2POp] = []
-        follow: list[dist.P2POp] = []
+        follow: list[dist.P2POp] = []  # posted by wait(), with the peers' follow-up receives
         sent = 0
         for peer, parcel in send.items():
             link = self._link(self._send, peer)
@@ -189,21 +197,15 @@ class Mailbox:
             if parcel is not None:
                 _pack(link.buffer, parcel.tensors)
             ops.append(dist.P2POp(dist.isend, first, peer, self.group))
-            if grew:
+            if grew:  # the peer reads the header of `first`, grows, then receives the follow-up
                 follow.append(dist.P2POp(dist.isend, link.buffer, peer, self.group))
             sent += first.numel() + (link.buffer.numel() if grew else 0)
         peers = list(recv_from)
         for peer in peers:
             ops.append(dist.P2POp(dist.irecv, self._link(self._recv, peer).buffer, peer, self.group))
-        self._run(ops)
-        headers = {peer: self._recv[peer].header.tolist() for peer in peers}
-        for peer in peers:
-            if self._recv[peer].grow(headers[peer][3]):
-                follow.append(dist.P2POp(dist.irecv, self._recv[peer].buffer, peer, self.group))
-        self._run(follow)
         if self.stats is not None:
             self.stats.add(sent, calls=len(send))
-        return {peer: _unpack(self._recv[peer].buffer, headers[peer]) for peer in peers}
+        return Posted(self, dist.batch_isend_irecv(ops) if ops else [], peers, follow)
 
     def send(self, peer: int, parcel: Parcel | None) -> None:
         """Blocking send of one parcel (the peer calls :meth:`recv`)."""
@@ -213,10 +215,7 @@ class Mailbox:
         """Blocking receive of one parcel (the peer calls :meth:`send`)."""
         return self.exchange({}, (peer,))[peer]
 
-    def _run(self, ops: list[dist.P2POp]) -> None:
-        if not ops:
-            return
-        works = dist.batch_isend_irecv(ops)
+    def _wait(self, works: Sequence[dist.Work]) -> None:
         if self.stats is None:
             for w in works:
                 w.wait()
@@ -224,3 +223,25 @@ class Mailbox:
         with self.stats.blocked():
             for w in works:
                 w.wait()
+
+
+class Posted:
+    """Point-to-point operations of :meth:`Mailbox.post` in flight."""
+
+    def __init__(self, box: Mailbox, works: list[dist.Work], peers: list[int], follow: list[dist.P2POp]) -> None:
+        self._box, self._works, self._peers, self._follow = box, works, peers, follow
+
+    def wait(self) -> dict[int, Parcel | None]:
+        """Wait for every operation; returns the parcel received from each peer (``None``: empty message)."""
+        box = self._box
+        box._wait(self._works)
+        links = {peer: box._recv[peer] for peer in self._peers}
+        headers = {peer: link.header.tolist() for peer, link in links.items()}
+        follow = self._follow + [
+            dist.P2POp(dist.irecv, link.buffer, peer, box.group)
+            for peer, link in links.items()
+            if link.grow(headers[peer][3])
+        ]
+        if follow:
+            box._wait(dist.batch_isend_irecv(follow))
+        return {peer: _unpack(link.buffer, headers[peer]) for peer, link in links.items()}

@@ -14,7 +14,10 @@ stage ``k`` an iteration is:
    ``beta``, backpropagated at the entry's weight version, all-reduced and applied; the input
    gradient and the batch's loss go on to stage ``k - 1``;
 4. **exchange**: the decoupled messages (activations for ``fdg``, gradients for ``fdg``/``ddg``) to
-   and from both neighbours, posted together (``batch_isend_irecv``, preallocated buffers).
+   and from both neighbours travel while the stage computes: the receives are posted when the
+   iteration starts, the activation is sent right after the forward and the gradient right after
+   the backward (nonblocking, preallocated buffers), and all of them are waited for when the
+   iteration ends, so what arrives is used in the next iteration.
 
 No update happens on a stage before its first gradient arrives, so momentum and weight decay do
 not move weights during the warm-up. :meth:`drain` runs the iterations without new input that
@@ -159,9 +162,15 @@ class DecoupledPipeline:
             apply: Called after the data-parallel mean gradient was written to the stage
                 parameters' ``.grad``: take the optimizer step there (gradients are cleared after).
         """
+        # what arrived in the previous iteration; copied out, so the receive buffers are free
         parcel = self._input(batch)
+        gradient, self._grad_in = _owned(self._grad_in), None
         if batch is not None:
             self.fed += 1
+        # this iteration's decoupled messages travel while the stage computes (posted early,
+        # waited for at the end): activation out after the forward, gradient out after the backward
+        receiving = self.mail.post({}, self._decoupled_sources())
+        sending = []
         activation: Parcel | None = None
         done: _Done | None = None
         if parcel is not None:
@@ -169,14 +178,23 @@ class DecoupledPipeline:
                 done = self._forward_last(parcel, apply)
             else:
                 activation = self._forward(parcel)
+        if not self.last and not self.schedule.forward_locked:
+            sending.append(self.mail.post({self.ranks[self.k + 1]: activation}, ()))
         if not self.last:
-            gradient = self._gradient(parcel is not None)
+            if self.schedule.backward_locked:
+                gradient = self.mail.recv(self.ranks[self.k + 1]) if parcel is not None else None
             if gradient is not None:
                 done = self._backward(gradient, apply)
         outgoing = done.outgoing if done is not None else None
-        if self.schedule.backward_locked and not self.first and outgoing is not None:
-            self.mail.send(self.ranks[self.k - 1], outgoing)
-        self._exchange(activation, outgoing)
+        if not self.first:
+            if self.schedule.backward_locked:
+                if outgoing is not None:
+                    self.mail.send(self.ranks[self.k - 1], outgoing)
+            else:
+                sending.append(self.mail.post({self.ranks[self.k - 1]: outgoing}, ()))
+        self._complete(receiving.wait())
+        for posted in sending:
+            posted.wait()
         report = IterationReport(
             self.iteration,
             parcel.tag if parcel is not None else None,
@@ -239,12 +257,6 @@ class DecoupledPipeline:
             return None
         return activation
 
-    def _gradient(self, forwarded: bool) -> Parcel | None:
-        if self.schedule.backward_locked:
-            return self.mail.recv(self.ranks[self.k + 1]) if forwarded else None
-        gradient, self._grad_in = self._grad_in, None
-        return gradient
-
     def _backward(self, gradient: Parcel, apply: Apply) -> _Done:
         entry = self.fifo.popleft()
         if entry.batch != gradient.tag:
@@ -271,28 +283,20 @@ class DecoupledPipeline:
         self.runner.clear_grads()
         self.updates += 1
 
-    def _exchange(self, activation: Parcel | None, gradient: Parcel | None) -> None:
-        send: dict[int, Parcel | None] = {}
-        recv: list[int] = []
-        prev = self.ranks[self.k - 1] if not self.first else None
-        nxt = self.ranks[self.k + 1] if not self.last else None
-        if not self.schedule.forward_locked:
-            if nxt is not None:
-                send[nxt] = activation
-            if prev is not None:
-                recv.append(prev)
-        if not self.schedule.backward_locked:
-            if prev is not None:
-                send[prev] = gradient
-            if nxt is not None:
-                recv.append(nxt)
-        if not send and not recv:
-            return
-        got = self.mail.exchange(send, recv)
-        if prev is not None and not self.schedule.forward_locked:
-            self._act_in = got[prev]
-        if nxt is not None and not self.schedule.backward_locked:
-            self._grad_in = got[nxt]
+    def _decoupled_sources(self) -> list[int]:
+        """Neighbours whose message of this iteration is used in the next one."""
+        sources = []
+        if not self.first and not self.schedule.forward_locked:
+            sources.append(self.ranks[self.k - 1])  # activations
+        if not self.last and not self.schedule.backward_locked:
+            sources.append(self.ranks[self.k + 1])  # gradients
+        return sources
+
+    def _complete(self, got: dict[int, Parcel | None]) -> None:
+        if not self.first and not self.schedule.forward_locked:
+            self._act_in = got[self.ranks[self.k - 1]]
+        if not self.last and not self.schedule.backward_locked:
+            self._grad_in = got[self.ranks[self.k + 1]]
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
@@ -321,6 +325,13 @@ class DecoupledPipeline:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.updates = int(state["updates"])
+
+
+def _owned(parcel: Parcel | None) -> Parcel | None:
+    """A copy of a received parcel that outlives the next receive into the same buffer."""
+    if parcel is None:
+        return None
+    return Parcel(tuple(t.clone() for t in parcel.tensors), tag=parcel.tag, value=parcel.value)
 
 
 def _split_batch(batch: Any) -> tuple[Tensor, Tensor]:
