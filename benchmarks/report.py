@@ -244,23 +244,32 @@ def workload_section(workload: Workload, result: dict[str, Any], meta: dict[str,
 
 
 BUSY_LOAD_PER_CPU = 0.25  # a load average above this share of the cores marks a run as preliminary
+BUSY_CPU_SHARE = 0.10  # as does other work using this share of the cores' time when the runs start
 
 
 def meta_line(meta: dict[str, Any]) -> str:
-    """Provenance of a results document: when, what, where, with which arguments, how busy."""
+    """Provenance of a results document: when, what, where, with which arguments, how busy.
+
+    "Busy" is judged by the CPU share other processes used just before the runs (``cpu_busy``)
+    when it was measured, else by the 1-minute load average (which lags behind earlier runs).
+    """
     mode = "quick" if meta.get("quick") else "full"
-    load = meta["load_avg"][0]
-    busy = load > BUSY_LOAD_PER_CPU * meta["host_cpus"]
+    load, cpus, share = meta["load_avg"][0], meta["host_cpus"], meta.get("cpu_busy")
+    busy = share > BUSY_CPU_SHARE if share is not None else load > BUSY_LOAD_PER_CPU * cpus
     args = " ".join(meta.get("argv", [])) or "(defaults)"
+    at_start = (
+        f"CPU {share:.0%} busy and load average {load:.1f} at start"
+        if share is not None
+        else (f"load average {load:.1f} at start")
+    )
     line = (
-        f"_{mode} run {meta['date']}, commit `{meta['commit']}`, arguments `{args}`, {meta['host_cpus']} cores, "
-        f"load average {load:.1f} at start; torch {meta['torch']}, lightning {meta['lightning']}._"
+        f"_{mode} run {meta['date']}, commit `{meta['commit']}`, arguments `{args}`, {cpus} cores, "
+        f"{at_start}; torch {meta['torch']}, lightning {meta['lightning']}._"
     )
-    return (
-        f"**Preliminary: the machine was busy (load {load:.1f} on {meta['host_cpus']} cores).** {line}"
-        if busy
-        else line
-    )
+    if not busy:
+        return line
+    why = f"{share:.0%} of the CPU in use" if share is not None else f"load {load:.1f} on {cpus} cores"
+    return f"**Preliminary: the machine was busy ({why}).** {line}"
 
 
 def replace_between(text: str, name: str, content: str) -> str:

@@ -265,11 +265,33 @@ def metadata(args: argparse.Namespace) -> dict[str, Any]:
         "straggler_mode": args.straggler_mode,
         "host_cpus": os.cpu_count(),
         "load_avg": list(os.getloadavg()),
+        "cpu_busy": cpu_busy_fraction(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "lightning": lightning.__version__,
         "argv": sys.argv[1:],
     }
+
+
+def cpu_busy_fraction(seconds: float = 2.0) -> float | None:
+    """Share of all cores' time spent busy over the next ``seconds`` (``/proc/stat``; None elsewhere).
+
+    The 1-minute load average lags: right after a previous benchmark it still counts that
+    benchmark's ranks. This samples what other processes are doing when the runs start.
+    """
+
+    def ticks() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+        return sum(fields), fields[3] + fields[4]  # total, idle + iowait
+
+    try:
+        total0, idle0 = ticks()
+        time.sleep(seconds)
+        total1, idle1 = ticks()
+    except OSError:
+        return None
+    return 1.0 - (idle1 - idle0) / max(1, total1 - total0)
 
 
 def show_list(the_plan: Plan) -> None:

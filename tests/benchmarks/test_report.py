@@ -19,6 +19,7 @@ from benchmarks.report import (
     time_to,
     workload_table,
 )
+from benchmarks.run import cpu_busy_fraction
 from benchmarks.scenarios import BASELINE, NO_COMM, WORKLOADS, Scenario, Target
 
 W = WORKLOADS["grawa_cnn"]  # target accuracy 0.55
@@ -147,6 +148,16 @@ def test_runs_on_a_busy_machine_are_labelled_preliminary():
     quiet = meta_line({**meta, "load_avg": [0.4, 0, 0]})
     assert quiet.startswith("_full run d") and "arguments `--epochs 2`" in quiet
     assert meta_line({**meta, "load_avg": [4.0, 0, 0]}).startswith("**Preliminary: the machine was busy (load 4.0")
+    # the CPU share measured at start, when present, decides (the load average lags behind earlier runs)
+    assert not meta_line({**meta, "load_avg": [4.0, 0, 0], "cpu_busy": 0.02}).startswith("**Preliminary")
+    assert meta_line({**meta, "load_avg": [0.1, 0, 0], "cpu_busy": 0.6}).startswith(
+        "**Preliminary: the machine was busy (60% of the CPU in use)"
+    )
+
+
+def test_cpu_busy_fraction_is_a_share():
+    share = cpu_busy_fraction(0.2)
+    assert share is None or 0.0 <= share <= 1.0
 
 
 def test_repeats_report_the_median_run_and_the_range():
