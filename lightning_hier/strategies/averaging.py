@@ -25,10 +25,11 @@ from typing import TYPE_CHECKING, Any
 from torch import Tensor
 
 from lightning_hier import _validate as v
-from lightning_hier.algorithms.averaging import PeriodicAveraging, float_buffers
+from lightning_hier.algorithms.averaging import PeriodicAveraging
 from lightning_hier.algorithms.centers import CenterPolicy, ElasticCenter, LeaderCenter, RoundReport, UniformCenter
 from lightning_hier.callbacks.pull import PullToCenter
 from lightning_hier.strategies._algorithm import AlgorithmStrategy
+from lightning_hier.strategies._buckets import bucket_arguments, check_bucket_options
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -53,8 +54,7 @@ class AveragingStrategy(AlgorithmStrategy[PeriodicAveraging]):
         self.tau = v.check_int(owner, "tau", tau, minimum=1)
         self.lam = None if lam is None else v.check_float(owner, lam_name, lam, 0.0, 1.0, low_inclusive=False)
         self.rho = v.check_float(owner, "rho", rho, 0.0, 1.0)
-        self.sync_buffers = v.check_bool(owner, "sync_buffers", sync_buffers)
-        self.bucket_size_mb = v.check_float(owner, "bucket_size_mb", bucket_size_mb, low=0.0, low_inclusive=False)
+        self.sync_buffers, self.bucket_size_mb = check_bucket_options(owner, sync_buffers, bucket_size_mb)
         self._step_args: tuple[tuple[Any, ...], dict[str, Any]] | None = None
         self._base_lam = 1.0
 
@@ -78,8 +78,7 @@ class AveragingStrategy(AlgorithmStrategy[PeriodicAveraging]):
             tau=self.tau,
             lam=self.lam,
             rho=self.rho,
-            buffers=float_buffers(module) if self.sync_buffers else (),
-            bucket_bytes=int(self.bucket_size_mb * 2**20),
+            **bucket_arguments(module, self.sync_buffers, self.bucket_size_mb),
             stats=self.comm_stats,
         )
         self._base_lam = self.algorithm.lam

@@ -33,11 +33,11 @@ from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from torch.utils.data import DataLoader
 
 from lightning_hier import _validate as v
-from lightning_hier.algorithms.averaging import float_buffers
 from lightning_hier.algorithms.dbs import TIMERS, DynamicBatchSize, check_split
 from lightning_hier.algorithms.dbs_sampler import dynamic_batch_loader
 from lightning_hier.callbacks.dbs import DBSCallback
 from lightning_hier.strategies._base import HierStrategy
+from lightning_hier.strategies._buckets import bucket_arguments, check_bucket_options
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -118,8 +118,7 @@ class DBSStrategy(HierStrategy):
             v.check_int(owner, "global_batch_size", self.global_batch_size, minimum=self.min_batch_size)
         self.warmup_steps = v.check_int(owner, "warmup_steps", warmup_steps, minimum=0)
         self.timer = v.check_choice(owner, "timer", timer, TIMERS)
-        self.sync_buffers = v.check_bool(owner, "sync_buffers", sync_buffers)
-        self.bucket_size_mb = v.check_float(owner, "bucket_size_mb", bucket_size_mb, low=0.0, low_inclusive=False)
+        self.sync_buffers, self.bucket_size_mb = check_bucket_options(owner, sync_buffers, bucket_size_mb)
         self.algorithm: DynamicBatchSize | None = None
 
     def _configure_launcher(self) -> None:
@@ -167,8 +166,7 @@ class DBSStrategy(HierStrategy):
             max_batch_size=self.max_batch_size,
             warmup_steps=self.warmup_steps,
             timer=self.timer,
-            buffers=float_buffers(module) if self.sync_buffers else (),
-            bucket_bytes=int(self.bucket_size_mb * 2**20),
+            **bucket_arguments(module, self.sync_buffers, self.bucket_size_mb),
             stats=self.comm_stats,
         )
         return self.algorithm

@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 
 from lightning_hier import _validate as v
-from lightning_hier.algorithms.averaging import float_buffers
 from lightning_hier.algorithms.hpsgd import HPSGD, MODES, Merge
 from lightning_hier.strategies._algorithm import AlgorithmStrategy
+from lightning_hier.strategies._buckets import bucket_arguments, check_bucket_options
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -83,9 +83,8 @@ class HPSGDStrategy(AlgorithmStrategy[HPSGD]):
         owner = type(self).__name__
         self.window = v.check_int(owner, "window", window, minimum=1)
         self.mode = v.check_choice(owner, "mode", mode, MODES)
-        self.sync_buffers = v.check_bool(owner, "sync_buffers", sync_buffers)
+        self.sync_buffers, self.bucket_size_mb = check_bucket_options(owner, sync_buffers, bucket_size_mb)
         self.reset_optimizer_state = v.check_bool(owner, "reset_optimizer_state", reset_optimizer_state)
-        self.bucket_size_mb = v.check_float(owner, "bucket_size_mb", bucket_size_mb, low=0.0, low_inclusive=False)
         self.algorithm = None
         self._control_group: dist.ProcessGroup | None = None
 
@@ -97,8 +96,7 @@ class HPSGDStrategy(AlgorithmStrategy[HPSGD]):
             group=self.groups.data,
             window=self.window,
             mode=self.mode,
-            buffers=float_buffers(module) if self.sync_buffers else (),
-            bucket_bytes=int(self.bucket_size_mb * 2**20),
+            **bucket_arguments(module, self.sync_buffers, self.bucket_size_mb),
             stats=self.comm_stats,
             control_group=self._poll_group(),
             optimizer=optimizer,

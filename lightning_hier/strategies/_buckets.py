@@ -1,0 +1,39 @@
+"""The two options of every strategy whose algorithm reduces flat buckets, defined once.
+
+``sync_buffers`` (average float buffers such as BatchNorm statistics along with the parameters)
+and ``bucket_size_mb`` (size bound of one flat buffer) mean the same for HPSGD, DBS and the
+averaging family: one validation, one translation into the algorithm's arguments.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TypedDict
+
+from torch import Tensor, nn
+
+from lightning_hier import _validate as v
+from lightning_hier.algorithms.averaging import float_buffers
+
+
+class BucketArguments(TypedDict):
+    """Keyword arguments of a flat-bucket algorithm (``HPSGD``, ``DynamicBatchSize``, ``PeriodicAveraging``)."""
+
+    buffers: Sequence[Tensor]
+    bucket_bytes: int
+
+
+def check_bucket_options(owner: str, sync_buffers: bool, bucket_size_mb: float) -> tuple[bool, float]:
+    """Validated ``(sync_buffers, bucket_size_mb)``; a clear error naming ``owner`` otherwise."""
+    return (
+        v.check_bool(owner, "sync_buffers", sync_buffers),
+        v.check_float(owner, "bucket_size_mb", bucket_size_mb, low=0.0, low_inclusive=False),
+    )
+
+
+def bucket_arguments(module: nn.Module, sync_buffers: bool, bucket_size_mb: float) -> BucketArguments:
+    """The algorithm's ``buffers`` (the module's float buffers, or none) and ``bucket_bytes``."""
+    return {
+        "buffers": float_buffers(module) if sync_buffers else (),
+        "bucket_bytes": int(bucket_size_mb * 2**20),
+    }
