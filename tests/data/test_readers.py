@@ -204,20 +204,10 @@ def test_normalize_scales_uint8_and_standardises_channels():
 
 @pytest.mark.parametrize("precision", ["64-true", "bf16-true"])
 def test_datamodule_batches_follow_the_model_precision(precision):
-    import lightning.pytorch as pl
-
     from lightning_hier.models import Classifier, small_cnn
+    from tests.helpers import trainer
 
-    t = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        precision=precision,
-        max_steps=2,
-        limit_val_batches=1,
-        logger=False,
-        enable_progress_bar=False,
-        enable_checkpointing=False,
-        enable_model_summary=False,
-    )
+    # Lightning's default sanity check (2 validation batches) stays on: it validates in this precision
+    t = trainer(devices=1, precision=precision, max_steps=2, limit_val_batches=1, num_sanity_val_steps=2)
     t.fit(Classifier(small_cnn((1, 8, 8), 10), 10), datamodule=DigitsDataModule(batch_size=16, augment=True))
     assert t.global_step == 2
