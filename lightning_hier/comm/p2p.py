@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_hier.comm.collectives import wait_all
 from lightning_hier.comm.stats import CommStats
 
 Group = dist.ProcessGroup | None
@@ -215,15 +216,6 @@ class Mailbox:
         """Blocking receive of one parcel (the peer calls :meth:`send`)."""
         return self.exchange({}, (peer,))[peer]
 
-    def _wait(self, works: Sequence[dist.Work]) -> None:
-        if self.stats is None:
-            for w in works:
-                w.wait()
-            return
-        with self.stats.blocked():
-            for w in works:
-                w.wait()
-
 
 class Posted:
     """Point-to-point operations of :meth:`Mailbox.post` in flight."""
@@ -234,7 +226,7 @@ class Posted:
     def wait(self) -> dict[int, Parcel | None]:
         """Wait for every operation; returns the parcel received from each peer (``None``: empty message)."""
         box = self._box
-        box._wait(self._works)
+        wait_all(self._works, box.stats)
         links = {peer: box._recv[peer] for peer in self._peers}
         headers = {peer: link.header.tolist() for peer, link in links.items()}
         follow = self._follow + [
@@ -243,5 +235,5 @@ class Posted:
             if link.grow(headers[peer][3])
         ]
         if follow:
-            box._wait(dist.batch_isend_irecv(follow))
+            wait_all(dist.batch_isend_irecv(follow), box.stats)
         return {peer: _unpack(link.buffer, headers[peer]) for peer, link in links.items()}
