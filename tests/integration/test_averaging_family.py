@@ -263,9 +263,13 @@ def test_validation_during_fit_evaluates_the_consensus_and_training_resumes_on_t
         return {"seen": rec.seen}
 
     r0, r1 = run_workers(fit, devices=2)
-    for (c0, x0), (c1, x1) in zip(r0["seen"], r1["seen"], strict=True):
+    *during, last = zip(r0["seen"], r1["seen"], strict=True)
+    for (c0, x0), (c1, x1) in during:
         assert torch.equal(c0, c1)  # the same center on both ranks
         assert not torch.equal(x0, x1) and not torch.equal(c0, x0)  # while the replicas differ
+    # the last epoch's validation comes after the fit's last round: every replica is the center
+    (c0, x0), (c1, x1) = last
+    assert torch.equal(c0, c1) and torch.equal(x0, c0) and torch.equal(x1, c0)
 
 
 ACCURACY_RUNS = [

@@ -35,6 +35,12 @@ class GlobalRecorder(Callback):
         self.history: list[torch.Tensor] = []
         self._merges = 0
 
+    def on_fit_start(self, trainer: pl.Trainer, *args: object) -> None:
+        # record before the strategy's own callback finishes the fit after its last step: the
+        # drained S is recorded once, from the module after fit, as the reference's last entry
+        trainer.callbacks.remove(self)
+        trainer.callbacks.insert(0, self)
+
     def on_train_batch_end(self, trainer: pl.Trainer, *args: object) -> None:
         algo = trainer.strategy.algorithm
         if algo.merges != self._merges:

@@ -1,0 +1,110 @@
+"""Finish an algorithm right after the last optimizer step of fit, before any user hook sees the model.
+
+Lightning 2.6 calls the strategy's ``on_train_end`` *after* every callback's and the
+LightningModule's ``on_train_end`` (``FitLoop.on_run_end``), and the last epoch's validation and
+checkpoints (``on_train_epoch_end``, ``on_validation_end``) run earlier still. A strategy that
+merges its replicas only in its own ``on_train_end`` therefore shows user hooks, the final
+validation and ``ModelCheckpoint(save_last=True)`` a model that differs between ranks and from the
+one ``fit()`` returns.
+
+:class:`FinishFit` is an internal callback that the strategy puts first in ``trainer.callbacks``.
+Its ``on_train_batch_end`` predicts, from the loop's own stopping rules, whether the batch just
+trained is the last of the fit and, if so, has the strategy finish its algorithm (drain the
+in-flight window, run the last round) before any other callback or the module sees the batch's
+end. It asks again in ``on_validation_start`` and ``on_train_epoch_end``, which catches a stop
+requested in a later callback's ``on_train_batch_end`` (``Timer`` with its default
+``interval='step'``) and an epoch cut short by ``on_train_batch_start`` returning -1; it
+finishes unconditionally in ``on_train_end``. What it cannot see is a stop decided after it
+looked: in ``on_validation_end`` or in another callback's ``on_train_epoch_end`` (``EarlyStopping``,
+``Timer(interval='epoch')``). Then checkpoints written before that decision hold the consensus
+model of that moment; ``on_train_end``, ``on_fit_end`` and the model after ``fit()`` hold the
+finished one.
+
+A wrong prediction costs one extra blocking merge and nothing else: training goes on from the
+finished model (the algorithms' ``finalize`` leaves a state from which the next step starts anew).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.trainer.states import TrainerFn
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+
+@runtime_checkable
+class Finishes(Protocol):
+    """A strategy that can finish its algorithm early (idempotent until training goes on)."""
+
+    def finish_training(self) -> None:
+        """Leave the finished (consensus) model in every rank's module; a collective."""
+
+
+class FinishFit(Callback):
+    """Finish the strategy's algorithm after the last optimizer step of fit (see the module docstring)."""
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if ends_after_this_batch(trainer):
+            _finish(trainer)
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # before the strategy enters its consensus for validation (strategy hooks run after callbacks')
+        if trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking and ends_after_this_batch(trainer):
+            _finish(trainer)
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # before the monitoring callbacks (ModelCheckpoint) save at the epoch's end
+        if ends_after_this_batch(trainer):
+            _finish(trainer)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        _finish(trainer)  # stops nobody predicted (early stopping); a no-op when already finished
+
+
+def install(trainer: pl.Trainer) -> None:
+    """Put one :class:`FinishFit` first in ``trainer.callbacks`` (idempotent across repeated fits).
+
+    First, so that even callbacks acting in ``on_train_batch_end`` (``ModelCheckpoint`` with
+    ``every_n_train_steps``) see the finished model.
+    """
+    callbacks: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]
+    if not any(isinstance(c, FinishFit) for c in callbacks):
+        callbacks.insert(0, FinishFit())
+
+
+def ends_after_this_batch(trainer: pl.Trainer) -> bool:
+    """Whether the fit loop stops after the training batch that just ended (Lightning 2.6's rules).
+
+    Mirrors ``_TrainingEpochLoop.done`` and ``_FitLoop.done``: ``max_steps`` reached; or the
+    epoch's last batch (Lightning always steps the optimizer on it, whatever the gradient
+    accumulation) in the last epoch of ``max_epochs``; or ``trainer.should_stop`` already set
+    when the loop may stop early. Call it after a training batch, before the next one starts
+    (``on_train_batch_end`` up to ``on_train_epoch_end``). Every rank answers the same, as the
+    loop's own decisions must (equal batch counts, ``should_stop`` agreed between ranks).
+    """
+    fit_loop = trainer.fit_loop
+    if _limit_reached(trainer.global_step, fit_loop.max_steps):
+        return True  # only an optimizer step raises global_step, so this is right after the last one
+    progress = fit_loop.epoch_loop.batch_progress
+    last_batch = progress.is_last_batch or progress.current.ready == trainer.num_training_batches
+    if not last_batch:
+        # a stop requested mid-epoch ends the epoch after this batch (and a step was taken unless
+        # accumulating: then the pending micro-batches are dropped, as Lightning drops them)
+        return trainer.should_stop and fit_loop._can_stop_early
+    max_epochs = fit_loop.max_epochs
+    last_epoch = max_epochs is not None and _limit_reached(trainer.current_epoch + 1, max_epochs)
+    return last_epoch or (trainer.should_stop and fit_loop._can_stop_early)
+
+
+def _limit_reached(value: int, limit: int | None) -> bool:
+    # Lightning's _is_max_limit_reached: -1 (or None) means no limit
+    return limit is not None and limit != -1 and value >= limit
+
+
+def _finish(trainer: pl.Trainer) -> None:
+    strategy = trainer.strategy
+    if isinstance(strategy, Finishes):
+        strategy.finish_training()
