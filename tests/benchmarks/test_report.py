@@ -104,6 +104,24 @@ def test_targets_met_missed_pending_failed():
     assert check_target(local, Target("epoch_s", "<=", 1.0), result)["status"] == "failed"
 
 
+def test_targets_on_time_to_accuracy_and_against_a_peer():
+    runs = _runs()
+    result = {"runs": runs, "comparison": compare(W, runs)}
+    local = Scenario("grawa_cnn", "localsgd", {"tau": 8})
+    # localsgd reaches 0.55 after 10 s, DDP after 30 s: 1/3 of DDP's time
+    check = check_target(local, Target("time_to_target_s", "<=", 0.5), result)
+    assert check["status"] == "met" and check["ratio"] == pytest.approx(1 / 3)
+    # at the equal time (20 s) localsgd has 0.6, the no-communication run 0.55
+    versus = check_target(local, Target("acc_at_equal_time", ">=", 1.0, versus=NO_COMM), result)
+    assert versus["status"] == "met" and versus["target"] == ">= 1 x no-comm"
+    assert check_target(local, Target("epoch_s", "<=", 1.0, versus="powersgd"), result)["status"] == "n/a"
+    runs["localsgd"]["timeline"] = [{"train_s": 20.0, "val_acc": 0.5}]  # never reaches the target
+    result = {"runs": runs, "comparison": compare(W, runs)}
+    never = check_target(local, Target("time_to_target_s", "<=", 0.5), result)
+    assert never["status"] == "missed" and "this run never reached" in never["note"]
+    assert Scenario("grawa_cnn", "localsgd", target=(Target("epoch_s", "<=", 1), Target("final_acc", ">=", 1))).targets
+
+
 def test_diagnosis_breaks_the_step_time_down():
     runs = _runs()
     compare(W, runs)
@@ -138,8 +156,8 @@ def test_outputs_json_markdown_and_plots(tmp_path):
     assert "| localsgd | tau=8 | 100 | 2.00 | 5.0 | 0.50 | 10 | 0.600 | -0.020 | 0.600 |" in md
     assert "| mgrawa | failed: rank 0 exited with code 1. |" in md
     assert "| ddp | defaults |" in md and "30.0 (est.)" in md and "![grawa_cnn](grawa_cnn.png)" in md
-    assert "| localsgd bytes_per_epoch | grawa_cnn | 0.125 | ~ 0.125 | met |" in md
-    assert "| hpsgd samples_per_s | hpsgd_mlp | - | >= 1.5 | pending |" in md
+    assert "| localsgd bytes_per_epoch | grawa_cnn | 0.125 | ~ 0.125 x ddp | met |" in md
+    assert "| hpsgd samples_per_s | hpsgd_mlp | - | >= 1.5 x ddp | pending |" in md
     assert "Not run: hpsgd_mlp / hpsgd (not registered)." in md
 
 
