@@ -13,17 +13,15 @@ closes, the reduction is waited for (``F = sum_w d_w`` of the previous window) a
     merge='eager':  x <- S + d;  V <- x    # ... and keeps its own freshest window on top of it
     launch all_reduce(d)                   # this window's change, behind the next window
 
-``S`` is identical on every rank and one window stale. With ``merge='paper'`` every rank also
-throws its newest window away (it only comes back, averaged, one window later), so each
-gradient moves a model that is effectively ``H`` steps older than the one it was computed on;
-momentum optimizers lose most of their stable step size to that delay (see
-``recipes/hpsgd/README.md``). ``merge='eager'`` follows the idea of Kale, Douillard and Donchev
-("Eager Updates For Overlapped Communication and Computation in DiLoCo", arXiv 2502.12996,
-2025): while the average of the newest window is in flight, the rank's own newest change stands
-in for it, so the replica ``x = S_{k-1} + mean_w d_w^{k-1} + d_own^k`` holds every change known
-to it and its own trajectory is never rolled back. (Kale et al. weight the own fresh change by
-``1/W`` in the outer gradient; this rule keeps it whole, which measured better here with inner
-momentum, and the global model is the same under both rules: only the replicas differ.)
+``S`` is identical on every rank and one window stale. With ``merge='paper'`` each rank also
+drops its newest window (it comes back, averaged, one window later), so every gradient moves a
+model up to ``H`` steps older than the one it was computed on, and momentum optimizers lose most
+of their stable step size to that delay (``recipes/hpsgd/README.md``). ``merge='eager'`` follows
+Kale, Douillard and Donchev ("Eager Updates For Overlapped Communication and Computation in
+DiLoCo", arXiv 2502.12996, 2025): while the newest average is in flight, the rank's own newest
+change stands in for it, so ``x = S_{k-1} + mean_w d_w^{k-1} + d_own^k`` holds every change the
+rank knows of and its trajectory is never rolled back. (Kale et al. weight the own fresh change
+``1/W`` beside the others' stale ones; adding it whole measured better here with momentum.)
 
 Options on the same overlapped window and flat buckets:
 
@@ -70,7 +68,7 @@ from torch.optim import Optimizer
 
 from lightning_hier.algorithms.compression import COMPRESSIONS, Bf16ErrorFeedback
 from lightning_hier.algorithms.outer import OuterNesterov
-from lightning_hier.comm import CommStats, FlatTensors, all_reduce_sum_async, group_size, wait_all
+from lightning_hier.comm import CommStats, FlatTensors, all_reduce_sum_, all_reduce_sum_async, group_size, wait_all
 from lightning_hier.comm.collectives import Group, payload_bytes
 
 MODES = ("fixed", "poll")
@@ -307,6 +305,27 @@ class HPSGD:
         self._works = []
 
     @torch.no_grad()
+    def _drain_into(self, model: list[Tensor], outer: OuterNesterov, commit: bool) -> list[Tensor]:
+        """Apply the in-flight window and the steps since it to ``model`` (``S`` or a copy of it).
+
+        The steps since the last launch take a blocking reduction (``commit``: this rank's bf16
+        rounding residual is updated, as for any window sent). Returns the buffers' mean.
+        """
+        self._wait()
+        partial = self.since_launch > 0
+        delta = list(torch._foreach_sub(self.replica, self._start())) if partial else []  # V may be S: first
+        outer.step_(model, self.in_flight, scale=1.0 / self.world)
+        buffers = [b / self.world for b in self._buffers_in_flight]
+        if not partial:
+            return buffers
+        if self.codec is not None:
+            delta = self.codec.encode_(delta) if commit else self.codec.peek(delta)
+        own = [b.clone() for b in self._buffers()]
+        all_reduce_sum_(delta + own, self.group, self.stats)
+        outer.step_(model, delta, scale=1.0 / self.world)
+        return [b / self.world for b in own]
+
+    @torch.no_grad()
     def finalize(self) -> None:
         """End of training: merge the in-flight window and the steps since it, so no update is lost.
 
@@ -315,19 +334,14 @@ class HPSGD:
         """
         if not self.launched:
             return
-        partial = self.since_launch > 0
-        self._close_window()
-        self.merges += 1
-        if partial:  # the steps since the last launch: a blocking reduction, once per fit
-            self._send()
-            self._wait()
-            self._apply_in_flight()
-            self.merges += 1
+        self.merges += 2 if self.since_launch else 1
+        buffers = self._drain_into(self.global_model, self.outer, commit=True)
         torch._foreach_copy_(self.replica, self.global_model)
         if self._own_start is not None:
             torch._foreach_copy_(self._own_start, self.global_model)
         if self.flat_buffers is not None:
-            torch._foreach_copy_(self._buffers(), self.global_buffers)
+            torch._foreach_copy_(self.global_buffers, buffers)
+            torch._foreach_copy_(self._buffers(), buffers)
         self.launched, self.since_launch = False, 0
 
     # ------------------------------------------------------------------ views of the global model
@@ -335,17 +349,31 @@ class HPSGD:
         """Per-parameter views of the global model ``S``, in the order of ``params``."""
         return self.flat.split(self.global_model)
 
+    def _current_model(self) -> tuple[list[Tensor], list[Tensor]]:
+        """The parameters and buffers :meth:`finalize` would leave now, without changing any state."""
+        if not self.launched:
+            return self.global_model, self.global_buffers
+        model = [s.clone() for s in self.global_model]
+        return model, self._drain_into(model, self.outer.copy(), commit=False)
+
     @contextmanager
     def consensus(self) -> Iterator[None]:
-        """Hold the global model (and global buffers) in the replica while inside, then restore it."""
-        if self._replica is not None:  # nested: already holding S
+        """Hold the consensus model in the replica while inside, then restore the replica.
+
+        The consensus model is what :meth:`finalize` would leave if training stopped now: ``S``
+        advanced by the in-flight window and by the mean of the steps since it (a blocking
+        reduction, so every rank must enter; the in-flight reduction is waited for). It is the
+        model ``fit()`` would return at this point, where ``S`` alone lags up to two windows.
+        """
+        if self._replica is not None:  # nested: already holding it
             yield
             return
         with torch.no_grad():
             self._replica = ([b.clone() for b in self.replica], [b.clone() for b in self._buffers()])
-            torch._foreach_copy_(self.replica, self.global_model)
+            model, buffers = self._current_model()
+            torch._foreach_copy_(self.replica, model)
             if self.flat_buffers is not None:
-                torch._foreach_copy_(self._buffers(), self.global_buffers)
+                torch._foreach_copy_(self._buffers(), buffers)
         try:
             yield
         finally:

@@ -67,6 +67,12 @@ class OuterNesterov:
         torch._foreach_add_(model, change, alpha=self.lr * scale)
         torch._foreach_add_(model, self.buffer, alpha=self.lr * self.momentum)
 
+    def copy(self) -> OuterNesterov:
+        """An independent copy (the momentum buffer cloned), to look ahead without changing this one."""
+        twin = OuterNesterov(self.lr, self.momentum)
+        twin.buffer = [t.clone() for t in self.buffer]
+        return twin
+
     def state_dict(self) -> dict[str, Any]:
         """The momentum buffer (empty before the first step or without momentum)."""
         return {"lr": self.lr, "momentum": self.momentum, "buffer": [t.clone() for t in self.buffer]}

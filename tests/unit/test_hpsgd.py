@@ -157,24 +157,36 @@ def test_a_checkpoint_of_another_merge_rule_is_rejected():
         _run(state=snapshot, merge="eager")
 
 
-def test_consensus_holds_the_global_model_and_restores_the_replica():
-    net = _net()
-    opt = _opt(net)
-    algo = _algo(net, opt, merge="paper")
-    for step in range(5):  # merge at step 4, one local step since
-        _train_step(net, opt, step)
-        algo.step()
-    replica = params_of(net)
-    buffers = [b.clone() for b in float_buffers(net)]
-    global_model = torch.cat([t.reshape(-1) for t in algo.global_tensors()])
-    assert not torch.equal(replica, global_model)
+@pytest.mark.parametrize("steps", [0, 1, 3, 4, 5])  # before training, first window, mid-window, at a merge
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "-".join(f"{k}={x}" for k, x in v.items()))
+def test_consensus_holds_what_finalize_would_leave_and_restores_everything(steps, variant):
+    def trained() -> tuple[nn.Module, HPSGD]:
+        net = _net()
+        opt = _opt(net)
+        algo = _algo(net, opt, **variant)
+        for step in range(steps):
+            _train_step(net, opt, step)
+            algo.step()
+        return net, algo
+
+    finished, algo = trained()
+    algo.finalize()
+    expected = [t.clone() for t in finished.state_dict().values()]
+    net, algo = trained()
+    before = [t.clone() for t in net.state_dict().values()]
+    state = algo.state_dict()
     with algo.consensus():
-        assert torch.equal(params_of(net), global_model)
-        with algo.consensus():  # nested: still the global model
-            assert torch.equal(params_of(net), global_model)
-        assert torch.equal(params_of(net), global_model)
-    assert torch.equal(params_of(net), replica)
-    assert all(torch.equal(a, b) for a, b in zip(buffers, float_buffers(net), strict=True))
+        assert all(torch.equal(a, b) for a, b in zip(net.state_dict().values(), expected, strict=True))
+        with algo.consensus():  # nested: still the same model
+            assert all(torch.equal(a, b) for a, b in zip(net.state_dict().values(), expected, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(net.state_dict().values(), before, strict=True))
+    # looking ahead changed no state: the run continues as if consensus() had never been entered
+    after = algo.state_dict()
+    for key, value in state.items():
+        if isinstance(value, list):
+            assert all(torch.equal(a, b) for a, b in zip(value, after[key], strict=True)), key
+        else:
+            assert value == after[key], key
 
 
 def test_parameters_become_views_of_a_few_buckets():
