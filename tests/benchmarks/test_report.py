@@ -89,6 +89,18 @@ def test_comparison_against_ddp():
     assert comp["rows"][BASELINE]["acc_at_equal_time"] == 0.5  # DDP had done 2 of 4 epochs by then
     # DDP exposes no blocked time: estimated against the no-communication reference (40 - 10 s)
     assert runs[BASELINE]["blocked_s"] == 30.0 and runs[BASELINE]["blocked_estimated"]
+    assert runs["localsgd"]["blocked_s"] == 3.0 and not runs["localsgd"]["blocked_estimated"]  # measured
+
+
+def test_ddp_peers_blocked_time_is_estimated_like_ddps():
+    runs = _runs()
+    runs["ddp+fp16"] = summarize(Scenario("grawa_cnn", "ddp_fp16", label="ddp+fp16"), _job(25.0, [0.6], [400, 400]))
+    compare(W, runs)
+    assert runs["ddp+fp16"]["blocked_s"] == 15.0 and runs["ddp+fp16"]["blocked_estimated"]
+    del runs[NO_COMM]
+    runs["ddp+fp16"]["blocked_s"] = None
+    compare(W, runs)
+    assert runs["ddp+fp16"]["blocked_s"] is None  # no reference run: nothing to estimate from
 
 
 def test_targets_met_missed_pending_failed():
