@@ -93,17 +93,19 @@ def compare(workload: Workload, runs: dict[str, dict[str, Any]]) -> dict[str, An
         runs: Run summaries by label (failed runs hold only ``error``).
 
     Returns:
-        ``{"equal_time_s": T, "rows": {label: {...ratios...}}}``; DDP's ``blocked_s`` is estimated
-        from the no-communication reference when it ran.
+        ``{"equal_time_s": T, "rows": {label: {...ratios...}}}``. Runs that expose no blocked time
+        (DDP and its peers, DDP with torch's communication hooks) get ``blocked_s`` estimated as
+        their training time minus the no-communication reference's, when it ran.
     """
     done = {k: r for k, r in runs.items() if "error" not in r}
     base = done.get(BASELINE)
     trained = [r["train_s"] for k, r in done.items() if k != NO_COMM]
     equal_t = min(trained) if trained else math.nan
     ref = done.get(NO_COMM)
-    if base is not None and ref is not None and base["blocked_s"] is None:
-        base["blocked_s"] = max(0.0, base["train_s"] - ref["train_s"])
-        base["blocked_estimated"] = True
+    for label, run in done.items():
+        if ref is not None and label != NO_COMM and run["blocked_s"] is None:
+            run["blocked_s"] = max(0.0, run["train_s"] - ref["train_s"])
+            run["blocked_estimated"] = True
     rows: dict[str, dict[str, Any]] = {}
     for label, run in done.items():
         row = {

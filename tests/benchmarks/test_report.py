@@ -89,6 +89,18 @@ def test_comparison_against_ddp():
     assert comp["rows"][BASELINE]["acc_at_equal_time"] == 0.5  # DDP had done 2 of 4 epochs by then
     # DDP exposes no blocked time: estimated against the no-communication reference (40 - 10 s)
     assert runs[BASELINE]["blocked_s"] == 30.0 and runs[BASELINE]["blocked_estimated"]
+    assert runs["localsgd"]["blocked_s"] == 3.0 and not runs["localsgd"]["blocked_estimated"]  # measured
+
+
+def test_ddp_peers_blocked_time_is_estimated_like_ddps():
+    runs = _runs()
+    runs["ddp+fp16"] = summarize(Scenario("grawa_cnn", "ddp_fp16", label="ddp+fp16"), _job(25.0, [0.6], [400, 400]))
+    compare(W, runs)
+    assert runs["ddp+fp16"]["blocked_s"] == 15.0 and runs["ddp+fp16"]["blocked_estimated"]
+    del runs[NO_COMM]
+    runs["ddp+fp16"]["blocked_s"] = None
+    compare(W, runs)
+    assert runs["ddp+fp16"]["blocked_s"] is None  # no reference run: nothing to estimate from
 
 
 def test_targets_met_missed_pending_failed():
@@ -202,3 +214,21 @@ def test_a_partial_invocation_keeps_the_other_workloads_of_the_last_one():
     assert merged["workloads"]["grawa_cnn"] == {"meta": old_meta, "runs": {"ddp": 1}}  # kept, with its provenance
     assert "gone" not in merged["workloads"]  # no longer a workload
     assert merged["skipped"] == [{"workload": "decoupled_cnn", "label": "decoupled"}]
+
+
+def test_recorder_keeps_the_consensus_communication_on_the_training_clock():
+    from types import SimpleNamespace
+
+    from benchmarks.rank import Recorder
+
+    ticks = iter([0.0, 10.0, 12.0, 15.0, 20.0])  # train start, validation start, first batch, end, fit end
+    rec = Recorder(clock=lambda: next(ticks))
+    trainer = SimpleNamespace(sanity_checking=False, current_epoch=0, global_step=5, callback_metrics={"val/acc": 0.5})
+    rec.on_train_start(trainer, None)
+    rec.on_validation_start(trainer, None)  # the strategy builds its consensus after this hook: 2 s
+    rec.on_validation_batch_start(trainer, None, None, 0)
+    rec.on_validation_batch_start(trainer, None, None, 1)  # later batches do not move the mark
+    rec.on_validation_end(trainer, None)
+    rec.on_train_end(trainer, None)
+    assert rec.timeline[0]["train_s"] == 12.0 and rec.timeline[0]["wall_s"] == 15.0
+    assert rec.train_s == 17.0  # 20 s of fit minus the 3 s spent on validation batches
