@@ -34,10 +34,11 @@ class HPSGDStrategy(AlgorithmStrategy[HPSGD]):
     all-reduce; when the next window closes it is waited for, the global model ``S`` advances by
     the average change (one window stale) and the replica restarts from ``S`` plus its own
     newest change (``merge='eager'``, the default) or from ``S`` alone (``merge='paper'``, Zhou
-    et al.'s rule, which needs light inner momentum). Validation during fit, the checkpoint's
-    ``state_dict`` and the module after ``fit()`` hold ``S`` on every rank; at the end of fit the
-    in-flight window and the steps since it are merged, so no update is lost. The exact rules are
-    in :mod:`lightning_hier.algorithms.hpsgd`.
+    et al.'s rule, which needs light inner momentum). Validation during fit and the checkpoint's
+    ``state_dict`` hold the model ``fit()`` would return at that point (``S`` advanced by the
+    window in flight and the mean of the steps since), equal on every rank; at the end of fit
+    those are merged for good, so no update is lost. The exact rules are in
+    :mod:`lightning_hier.algorithms.hpsgd`.
 
     Args:
         window: ``H``, optimizer steps per window (gradient accumulation does not change it). In
