@@ -39,6 +39,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_hier import _validate as v
 from lightning_hier.strategies._base import BACKENDS, DEFAULT_TIMEOUT_S, _check_timeout
+from lightning_hier.strategies._registry import register_family
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -125,15 +126,9 @@ class DDPCommHookStrategy(DDPStrategy):
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         """Register ``ddp_post_local_sgd``, ``ddp_powersgd``, ``ddp_fp16`` and their ``_spawn`` / ``_fork`` names."""
         for name, hook in REGISTRY_NAMES.items():
-            for suffix, method in (("", "popen"), ("_spawn", "spawn"), ("_fork", "fork")):
-                strategy_registry.register(
-                    f"{name}{suffix}",
-                    cls,
-                    description=f"DDP with torch's {hook} communication hook, on any device (start_method='{method}')",
-                    override=True,
-                    hook=hook,
-                    start_method=method,
-                )
+            register_family(
+                strategy_registry, cls, name, f"DDP with torch's {hook} communication hook, on any device", hook=hook
+            )
 
     def _setup_model(self, model: Module) -> DistributedDataParallel:
         if self.hook == "powersgd" and dist.get_backend() != "nccl":
