@@ -36,6 +36,11 @@ RUN_OVERRIDES = (
 class Recorder(Callback):
     """Validation accuracy against *training* time (wall time minus time spent validating).
 
+    Validation time runs from the first validation batch, not from ``on_validation_start``:
+    strategies that build their consensus model when validation starts (an all-reduce of the
+    replicas, HPSGD's look-ahead merge) do so after the callbacks' hook, and that communication
+    is a cost of training with them, so it stays on the training clock.
+
     Attributes:
         timeline: One entry per validation: ``epoch``, ``step``, ``train_s``, ``wall_s``,
             ``samples`` (this rank's, so far) and ``val_acc``.
@@ -52,6 +57,7 @@ class Recorder(Callback):
         self._t0 = 0.0
         self._val_s = 0.0
         self._val_start = 0.0
+        self._first_batch = False
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._t0, self._val_s, self.samples, self.timeline = self.clock(), 0.0, 0, []
@@ -62,7 +68,14 @@ class Recorder(Callback):
         self.samples += len(batch[0])
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._val_start = self.clock()
+        self._val_start = self.clock()  # replaced at the first batch (kept if there is none)
+        self._first_batch = True
+
+    def on_validation_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        if self._first_batch:
+            self._val_start, self._first_batch = self.clock(), False
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.sanity_checking:

@@ -93,17 +93,19 @@ def compare(workload: Workload, runs: dict[str, dict[str, Any]]) -> dict[str, An
         runs: Run summaries by label (failed runs hold only ``error``).
 
     Returns:
-        ``{"equal_time_s": T, "rows": {label: {...ratios...}}}``; DDP's ``blocked_s`` is estimated
-        from the no-communication reference when it ran.
+        ``{"equal_time_s": T, "rows": {label: {...ratios...}}}``. Runs that expose no blocked time
+        (DDP and its peers, DDP with torch's communication hooks) get ``blocked_s`` estimated as
+        their training time minus the no-communication reference's, when it ran.
     """
     done = {k: r for k, r in runs.items() if "error" not in r}
     base = done.get(BASELINE)
     trained = [r["train_s"] for k, r in done.items() if k != NO_COMM]
     equal_t = min(trained) if trained else math.nan
     ref = done.get(NO_COMM)
-    if base is not None and ref is not None and base["blocked_s"] is None:
-        base["blocked_s"] = max(0.0, base["train_s"] - ref["train_s"])
-        base["blocked_estimated"] = True
+    for label, run in done.items():
+        if ref is not None and label != NO_COMM and run["blocked_s"] is None:
+            run["blocked_s"] = max(0.0, run["train_s"] - ref["train_s"])
+            run["blocked_estimated"] = True
     rows: dict[str, dict[str, Any]] = {}
     for label, run in done.items():
         row = {
@@ -130,19 +132,37 @@ def check_target(scenario: Scenario, target: Target, result: dict[str, Any] | No
         "target": target.describe(),
         "why": target.why,
     }
-    run = (result or {}).get("runs", {}).get(scenario.label)
+    runs = (result or {}).get("runs", {})
+    run = runs.get(scenario.label)
     if run is None:
         return {**check, "status": "pending", "note": "not run (strategy not registered or not selected)"}
     if "error" in run:
         return {**check, "status": "failed", "note": run["error"].splitlines()[0]}
-    ratio = result["comparison"]["rows"][scenario.label][f"{target.metric}_ratio"]  # type: ignore[index]
+    other = runs.get(target.versus)
+    if other is None or "error" in other:
+        return {**check, "status": "n/a", "note": f"no {target.versus} run to compare with"}
+    mine, theirs = (_metric(result, name, target.metric) for name in (scenario.label, target.versus))  # type: ignore[arg-type]
+    if mine is None or theirs is None:  # a time to target that was never reached
+        status = "met" if mine is not None and target.op == "<=" else "missed"
+        who = "this run" if mine is None else target.versus
+        return {**check, "status": status, "note": f"{who} never reached the target accuracy"}
+    ratio = _ratio(mine, theirs)
     check["ratio"] = ratio
     if math.isnan(ratio):
-        return {**check, "status": "n/a", "note": "no DDP run to compare with"}
+        return {**check, "status": "n/a", "note": f"no {target.metric} for {target.versus}"}
     if target.met(ratio):
         return {**check, "status": "met", "note": ""}
     gap = abs(ratio - target.value) / target.value
     return {**check, "status": "missed", "note": f"missed by {gap:.0%} ({ratio:.3g} vs {target.describe()})"}
+
+
+def _metric(result: dict[str, Any], label: str, metric: str) -> float | None:
+    """One run's value of ``metric``: from its summary or from the workload's comparison rows."""
+    run = result["runs"][label]
+    if metric in run:
+        return float(run[metric])
+    value = result["comparison"]["rows"][label][metric]
+    return None if value is None else float(value)
 
 
 def diagnosis(result: dict[str, Any], label: str) -> str:
@@ -207,7 +227,7 @@ def _spread(run: dict[str, Any]) -> str:
 
 
 def targets_table(checks: list[dict[str, Any]]) -> str:
-    lines = ["| check | workload | ratio to DDP | target | status | note |", "|---|---|---|---|---|---|"]
+    lines = ["| check | workload | ratio | target | status | note |", "|---|---|---|---|---|---|"]
     for c in checks:
         lines.append(
             f"| {c['label']} {c['metric']} | {c['workload']} | {_fmt(c.get('ratio'), '.3f')} | {c['target']} "

@@ -118,8 +118,8 @@ def data_overrides(args: argparse.Namespace) -> list[str]:
 
 
 def run_overrides(args: argparse.Namespace, workload: Workload, scenario: Scenario, data: list[str]) -> list[str]:
-    """The Hydra overrides of one run: workload, data, quick shrinking, strategy, then the user's."""
-    out = [f"experiment={workload.experiment}", *data]
+    """The Hydra overrides of one run: experiment, data, the workload's own, quick, strategy, then the user's."""
+    out = [f"experiment={workload.experiment}", *data, *workload.overrides]
     out += list(workload.quick) if args.quick else []
     out += scenario.hydra_overrides()
     out += [f"trainer.max_epochs={args.epochs}"] if args.epochs else []
@@ -297,10 +297,11 @@ def cpu_busy_fraction(seconds: float = 2.0) -> float | None:
 def show_list(the_plan: Plan) -> None:
     for name, w in WORKLOADS.items():
         straggler = f", rank {w.straggler[0]} x{w.straggler[1]:g}" if w.straggler else ""
-        print(f"{name}: {w.description} [{w.link}{straggler}] recipes/{w.recipe}/experiment/{w.experiment}.yaml")
+        own = f" {' '.join(w.overrides)}" if w.overrides else ""
+        print(f"{name}: {w.description} [{w.link}{straggler}] recipes/{w.recipe}/experiment/{w.experiment}.yaml{own}")
         for sc in (s for s in SCENARIOS if s.workload == name):
             status = "ready" if sc in the_plan.runs.get(name, []) else "skipped (not registered)"
-            print(f"    {sc.label:<12} {' '.join(sc.hydra_overrides()):<60} {status}")
+            print(f"    {sc.label:<16} {' '.join(sc.hydra_overrides()):<60} {status}")
 
 
 def main(argv: list[str] | None = None) -> int:

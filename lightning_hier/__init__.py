@@ -7,6 +7,7 @@ Importing the package registers every strategy name with Lightning, so
 from lightning_hier.strategies import (
     STRATEGIES,
     DBSStrategy,
+    DDPCommHookStrategy,
     DecoupledStrategy,
     EasgdStrategy,
     GrawaStrategy,
@@ -26,6 +27,7 @@ register_all()
 __all__ = [
     "STRATEGIES",
     "DBSStrategy",
+    "DDPCommHookStrategy",
     "DecoupledStrategy",
     "EasgdStrategy",
     "GrawaStrategy",

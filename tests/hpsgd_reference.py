@@ -2,8 +2,11 @@
 
 Written from the recurrence (ALGORITHMS.md section 1), not from lightning_hier's classes: every
 worker keeps its own module, optimizer and window start V; the global model advances by the mean
-of the *previous* window's changes, theta_r = theta_{r-1} + mean_w Delta_{r-1}^w, and the
-replicas restart from it. Parameters and floating-point buffers are handled as flat vectors.
+of the *previous* window's changes, theta_r = theta_{r-1} + mean_w Delta_{r-1}^w (or by a
+Nesterov outer step on that mean, written as torch.optim.SGD's formula), and the replicas restart
+from it ('paper') or from it plus their own newest change ('eager'). A compressed payload is each
+worker's change plus its residual rounded to bfloat16 (error feedback). Parameters and
+floating-point buffers are handled as flat vectors.
 """
 
 from __future__ import annotations
@@ -52,6 +55,10 @@ class Reference:
         reset_optimizer_state: bool = False,
         clip_norm: float | None = None,
         micro_batches: int = 1,
+        merge: str = "paper",
+        outer_lr: float = 1.0,
+        outer_momentum: float = 0.0,
+        bf16: bool = False,
     ) -> None:
         self.modules = [make_module() for _ in range(workers)]
         self.opts = [make_optimizer(m) for m in self.modules]
@@ -60,6 +67,29 @@ class Reference:
         self.S = params_of(self.modules[0])
         self.B = buffers_of(self.modules[0])
         self.V = [self.S.clone() for _ in self.modules]
+        self.merge, self.outer_lr, self.outer_momentum, self.bf16 = merge, outer_lr, outer_momentum, bf16
+        self.M: Tensor | None = None  # outer momentum buffer
+        self.E = [torch.zeros_like(self.S) for _ in self.modules]  # bf16 rounding residuals
+
+    def _sent(self, deltas: list[Tensor]) -> list[Tensor]:
+        """What each worker contributes to the sum: its change, or bf16(change + residual)."""
+        if not self.bf16:
+            return deltas
+        out = []
+        for w, d in enumerate(deltas):
+            p = (d + self.E[w]).to(torch.bfloat16)
+            self.E[w] = d + self.E[w] - p.float()
+            out.append(p)
+        return out
+
+    def _outer_step(self, sent: list[Tensor]) -> None:
+        # torch.optim.SGD(lr, momentum, nesterov=True) on the outer gradient g = -mean(sent)
+        u = (torch.stack(sent).sum(0).float() if self.bf16 else torch.stack(sent).sum(0)) / len(sent)
+        if self.outer_momentum == 0.0:
+            self.S = self.S + self.outer_lr * u
+            return
+        self.M = u.clone() if self.M is None else self.outer_momentum * self.M + u
+        self.S = self.S + self.outer_lr * (u + self.outer_momentum * self.M)
 
     def _train_step(self, batches: Sequence[Batch]) -> None:
         for module, opt, batch in zip(self.modules, self.opts, batches, strict=True):
@@ -75,14 +105,16 @@ class Reference:
         return [params_of(m) for m in self.modules]
 
     @torch.no_grad()
-    def _restart_from_global(self, merge: bool = True) -> None:
-        for module, opt in zip(self.modules, self.opts, strict=True):
-            vector_to_parameters(self.S.clone(), module.parameters())
+    def _restart_from_global(self, merge: bool = True, deltas: list[Tensor] | None = None) -> None:
+        """Every replica restarts from S, plus its own newest change ``deltas[w]`` (eager rule)."""
+        starts = [self.S + d for d in deltas] if deltas is not None else [self.S.clone() for _ in self.modules]
+        for module, opt, start in zip(self.modules, self.opts, starts, strict=True):
+            vector_to_parameters(start.clone(), module.parameters())
             if self.sync_buffers:
                 _set_buffers(module, self.B)
             if self.reset and merge:
                 opt.state.clear()
-        self.V = [self.S.clone() for _ in self.modules]
+        self.V = starts
 
     def run(self, data: Callable[[int, int], Batch], total: int, merge_steps: Sequence[int]) -> list[Tensor]:
         """``data(worker, step)`` is worker's batch at 0-based ``step``; returns S after every merge + final."""
@@ -94,25 +126,25 @@ class Reference:
             self._train_step([data(w, step - 1) for w in range(len(self.modules))])
             x = self._x()
             if pending is None:  # the very first window: ship step 1's change, keep the replica
-                pending = [xw - vw for xw, vw in zip(x, self.V, strict=True)]
+                pending = self._sent([xw - vw for xw, vw in zip(x, self.V, strict=True)])
                 pending_buffers = [buffers_of(m) for m in self.modules]
                 self.V = x
                 last_launch = step
             elif step in merge_steps:
                 delta = [xw - vw for xw, vw in zip(x, self.V, strict=True)]
-                self.S = self.S + torch.stack(pending).mean(0)
+                self._outer_step(pending)
                 new_buffers = [buffers_of(m) for m in self.modules]
                 if self.sync_buffers:
                     self.B = torch.stack(pending_buffers).mean(0)
-                self._restart_from_global()
+                self._restart_from_global(deltas=delta if self.merge == "eager" else None)
                 history.append(self.S.clone())
-                pending, pending_buffers, last_launch = delta, new_buffers, step
+                pending, pending_buffers, last_launch = self._sent(delta), new_buffers, step
         if pending is not None:  # drain: the in-flight window, then the steps since its launch
             x = self._x()
-            self.S = self.S + torch.stack(pending).mean(0)
+            self._outer_step(pending)
             self.B = torch.stack(pending_buffers).mean(0)
             if total > last_launch:
-                self.S = self.S + torch.stack([xw - vw for xw, vw in zip(x, self.V, strict=True)]).mean(0)
+                self._outer_step(self._sent([xw - vw for xw, vw in zip(x, self.V, strict=True)]))
                 self.B = torch.stack([buffers_of(m) for m in self.modules]).mean(0)
             self._restart_from_global(merge=False)
         history.append(self.S.clone())

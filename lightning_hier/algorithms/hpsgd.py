@@ -2,29 +2,48 @@
 
 Hierarchical Parallel SGD (Zhou, Ye, Zhang and Lv, arXiv 2009.02701, 2020; the authors' code,
 github.com/Soptq/Hierarchical_Local_SGD, first called it HLSGD), in its delta form, which works
-with any inner optimizer:
+with any inner optimizer. Every rank trains a *replica* ``x`` (the live parameters) with its own
+optimizer and no per-step gradient all-reduce. A window of ``H`` optimizer steps closes with
+this rank's change ``d = x - V`` (``V``: the replica when the window opened); its SUM
+all-reduce runs in the background while the next window computes. When that next window
+closes, the reduction is waited for (``F = sum_w d_w`` of the previous window) and::
 
-- every rank trains a *replica* ``x`` (the live parameters) with any inner optimizer and no
-  per-step gradient all-reduce;
-- a window of ``H`` optimizer steps closes with ``delta = x - V`` (``V``: the replica when the
-  window opened); the SUM all-reduce of ``delta`` runs in the background while the next window
-  computes;
-- when that next window closes, the reduction is waited for and the *global model* advances by
-  the average change of the previous window, ``S <- S + fly / W`` (one window stale), and the
-  replica restarts from it (``x <- S``, ``V <- S``).
+    S <- S + F / W                         # the global model: the previous window's average change
+    merge='paper':  x <- S;      V <- S    # the replica restarts from the global model
+    merge='eager':  x <- S + d;  V <- x    # ... and keeps its own freshest window on top of it
+    launch all_reduce(d)                   # this window's change, behind the next window
 
-With ``H = 1`` and plain SGD this is 1-stale synchronous SGD. Two deliberate differences from
-the authors' code: the end of training drains (waits for and merges the in-flight window, then
-merges the steps since the last launch) instead of dropping one window and double-counting
-another at every epoch end; and mode ``'poll'`` makes every rank agree on readiness (a MIN
-all-reduce of the local flag on a control group), so all ranks launch the same collectives in
-the same order.
+``S`` is identical on every rank and one window stale. With ``merge='paper'`` each rank also
+drops its newest window (it comes back, averaged, one window later), so every gradient moves a
+model up to ``H`` steps older than the one it was computed on, and momentum optimizers lose most
+of their stable step size to that delay (``recipes/hpsgd/README.md``). ``merge='eager'`` follows
+Kale, Douillard and Donchev ("Eager Updates For Overlapped Communication and Computation in
+DiLoCo", arXiv 2502.12996, 2025): while the newest average is in flight, the rank's own newest
+change stands in for it, so ``x = S_{k-1} + mean_w d_w^{k-1} + d_own^k`` holds every change the
+rank knows of and its trajectory is never rolled back. (Kale et al. weight the own fresh change
+``1/W`` beside the others' stale ones; adding it whole measured better here with momentum.)
 
-Memory: the parameters become views of persistent flat buckets (:class:`FlatTensors`), and the
-state is three bucket lists of the same layout: ``S``, the in-flight ``fly`` and a scratch list
-that holds ``V`` during the first window only (afterwards ``V`` equals ``S``). A merge makes
-four passes over the parameters (``delta``, its norm, ``S += fly / W``, ``x <- S``) and, after
-the first window, allocates no parameter-sized memory.
+Options on the same overlapped window and flat buckets:
+
+- an *outer optimizer* (``outer_lr``, ``outer_momentum``): the global update ``S <- S + F / W``
+  becomes a Nesterov-momentum SGD step on the outer gradient ``-F / W``, as in DiLoCo
+  (:class:`~lightning_hier.algorithms.outer.OuterNesterov`); ``outer_lr=1, outer_momentum=0``
+  is the addition above, bit for bit;
+- ``compression='bf16'``: the window's change is sent in bfloat16 with error feedback (half the
+  bytes; :class:`~lightning_hier.algorithms.compression.Bf16ErrorFeedback`), and ``S`` stays
+  float32.
+
+The first window is the first step alone (launch at step 1, merges at steps ``1 + H``,
+``1 + 2H``, ...). Two deliberate differences from the authors' code: the end of training drains
+(waits for and merges the in-flight window, then merges the steps since the last launch with a
+blocking reduction) instead of dropping one window and double-counting another at every epoch
+end; and mode ``'poll'`` makes every rank agree on readiness (a MIN all-reduce of the local flag
+on a control group), so all ranks launch the same collectives in the same order.
+
+Memory: the parameters become views of persistent flat buckets (:class:`FlatTensors`); the state
+is ``S``, the in-flight payload and a scratch list of the same layout, plus ``V`` with
+``merge='eager'``, the outer momentum with ``outer_momentum > 0`` and a bfloat16 payload and
+float32 residual with ``compression='bf16'``.
 
 Pure torch: usable from a plain training loop::
 
@@ -47,10 +66,13 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_hier.algorithms.compression import COMPRESSIONS, Bf16ErrorFeedback
+from lightning_hier.algorithms.outer import OuterNesterov
 from lightning_hier.comm import CommStats, FlatTensors, all_reduce_sum_, all_reduce_sum_async, group_size, wait_all
 from lightning_hier.comm.collectives import Group, payload_bytes
 
 MODES = ("fixed", "poll")
+MERGES = ("eager", "paper")
 
 
 @dataclass(frozen=True)
@@ -62,8 +84,8 @@ class Merge:
         blocked_s: Seconds blocked in communication since the previous launch (waiting for that
             window's reduction, plus the readiness agreement in mode ``'poll'``); ~0 when hidden.
         bytes: Payload bytes of the reduction launched for the window just closed.
-        distance: Consensus distance ``||x - S||`` of this rank's replica from the global model
-            it trained against, just before the merge.
+        distance: Consensus distance ``||x - S||`` of this rank's replica from the global model,
+            just before the merge.
         merges: Windows merged into the global model so far.
     """
 
@@ -75,7 +97,7 @@ class Merge:
 
 
 class HPSGD:
-    """The HPSGD state machine (see the module docstring).
+    """The HPSGD state machine (see the module docstring for the exact rules).
 
     Args:
         params: The replica's parameters; they become views of persistent flat buckets (their
@@ -86,6 +108,11 @@ class HPSGD:
             ``'poll'`` merges at the first step (after ``window``) at which the reduction has
             completed on *every* rank, decided by a MIN all-reduce of the local flag on
             ``control_group`` (adaptive, not reproducible run to run).
+        merge: ``'eager'`` (the replica restarts from ``S`` plus its own newest window change)
+            or ``'paper'`` (the replica restarts from ``S``, as in Zhou et al.).
+        outer_lr: Outer learning rate of the global update (``1.0``: the average change is added).
+        outer_momentum: Outer Nesterov momentum in ``[0, 1)`` (``0.0``: none).
+        compression: ``'none'`` (float32 payload) or ``'bf16'`` (bfloat16 with error feedback).
         buffers: Extra tensors averaged at each merge with the same one-window staleness as the
             parameters (e.g. BatchNorm statistics from :func:`float_buffers`); empty: local.
         bucket_bytes: Bucket size bound of the flat buffers (``None``: one per dtype).
@@ -98,8 +125,8 @@ class HPSGD:
             every merge; by default it is kept across windows.
 
     Raises:
-        ValueError: On a bad ``window``, ``mode``, or ``reset_optimizer_state`` without an
-            optimizer.
+        ValueError: On a bad ``window``, ``mode``, ``merge``, ``compression``, outer argument, or
+            ``reset_optimizer_state`` without an optimizer.
     """
 
     def __init__(
@@ -108,6 +135,10 @@ class HPSGD:
         group: Group,
         window: int = 2,
         mode: str = "fixed",
+        merge: str = "eager",
+        outer_lr: float = 1.0,
+        outer_momentum: float = 0.0,
+        compression: str = "none",
         buffers: Iterable[Tensor] = (),
         bucket_bytes: int | None = None,
         stats: CommStats | None = None,
@@ -117,21 +148,29 @@ class HPSGD:
     ) -> None:
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise ValueError(f"HPSGD: argument `window` must be an integer >= 1, got {window!r}.")
-        if mode not in MODES:
-            raise ValueError(f"HPSGD: argument `mode` must be one of {MODES}, got {mode!r}.")
+        for name, value, allowed in (
+            ("mode", mode, MODES),
+            ("merge", merge, MERGES),
+            ("compression", compression, COMPRESSIONS),
+        ):
+            if value not in allowed:
+                raise ValueError(f"HPSGD: argument `{name}` must be one of {allowed}, got {value!r}.")
         if reset_optimizer_state and optimizer is None:
             raise ValueError("HPSGD: `reset_optimizer_state=True` needs the inner `optimizer`.")
-        self.group, self.window, self.mode = group, window, mode
+        self.group, self.window, self.mode, self.merge = group, window, mode, merge
         self.control_group = control_group if control_group is not None else group
         self.world = group_size(group)
         self.stats = stats if stats is not None else CommStats()
         self.optimizer, self.reset_optimizer_state = optimizer, reset_optimizer_state
+        self.outer = OuterNesterov(outer_lr, outer_momentum)
         self.flat = FlatTensors(list(params), bucket_bytes)
         extra = list(buffers)
         self.flat_buffers = FlatTensors(extra, bucket_bytes) if extra else None
         self.global_model: list[Tensor] = self.flat.clone()  # S
-        self.in_flight: list[Tensor] = self.flat.zeros_like()  # fly
-        self._scratch: list[Tensor] = self.flat.zeros_like()  # V in the first window, else scratch
+        self._delta: list[Tensor] = self.flat.zeros_like()  # d; also V in the paper rule's first window
+        self._own_start: list[Tensor] | None = self.flat.clone() if merge == "eager" else None  # V
+        self.codec = Bf16ErrorFeedback(self.global_model) if compression == "bf16" else None
+        self.in_flight: list[Tensor] = self.codec.payload if self.codec else self.flat.zeros_like()  # fly
         self.global_buffers: list[Tensor] = self.flat_buffers.clone() if self.flat_buffers else []
         self._buffers_in_flight: list[Tensor] = self.flat_buffers.zeros_like() if self.flat_buffers else []
         self._works: list[dist.Work] = []
@@ -152,6 +191,13 @@ class HPSGD:
     def _buffers(self) -> list[Tensor]:
         return self.flat_buffers.buckets if self.flat_buffers is not None else []
 
+    def _start(self) -> list[Tensor]:
+        """``V``, the replica when the current window opened."""
+        if self._own_start is not None:
+            return self._own_start
+        # paper rule: V is the first step's end inside the first window, S ever after
+        return self._delta if self.first_window else self.global_model
+
     def step(self) -> Merge | None:
         """Call after every optimizer step; returns the merge's metrics when a window closed."""
         self.steps += 1
@@ -165,14 +211,13 @@ class HPSGD:
 
     @torch.no_grad()
     def _first_launch(self) -> None:
-        # nothing to merge yet: ship the first step's change and keep training the replica
-        for x, s, fly in zip(self.replica, self.global_model, self.in_flight, strict=True):
-            torch.sub(x, s, out=fly)  # V = S before the first step
-        torch._foreach_copy_(self._scratch, self.replica)  # V <- x
-        if self.flat_buffers is not None:
-            torch._foreach_copy_(self._buffers_in_flight, self._buffers())
+        # nothing to merge yet: ship the first step's change (V = S before it), keep the replica
+        for x, s, d in zip(self.replica, self.global_model, self._delta, strict=True):
+            torch.sub(x, s, out=d)
+        self._stage_buffers()
         self.launched, self.first_window = True, True
-        self._launch()
+        self._send()
+        torch._foreach_copy_(self._start(), self.replica)  # V <- x
 
     def _ready(self) -> bool:
         if self.since_launch < self.window:
@@ -196,49 +241,63 @@ class HPSGD:
     def _merge(self) -> Merge:
         window = self.since_launch
         distance = self._close_window()
-        torch._foreach_copy_(self.replica, self.global_model)  # the replica restarts from S
-        if self.flat_buffers is not None:
-            torch._foreach_copy_(self._buffers_in_flight, self._buffers())
-            torch._foreach_copy_(self._buffers(), self.global_buffers)
-        # the scratch list now holds this window's delta: it becomes the next in-flight buffer
-        self.in_flight, self._scratch = self._scratch, self.in_flight
+        self._restart()
         blocked = self.stats.blocked_s - self._blocked_mark
         self.merges += 1
-        self._launch()
+        self._send()
         if self.reset_optimizer_state and self.optimizer is not None:
             self.optimizer.state.clear()
         return Merge(window, blocked, payload_bytes(self._payload()), distance, self.merges)
 
     def _close_window(self) -> float:
-        """Wait, put this window's delta in the scratch list and apply the previous one to S.
+        """Wait; put this window's change ``x - V`` in ``d``; apply the previous window's to ``S``.
 
-        Returns the consensus distance ``||x - S||`` (S before the update).
+        Also stages this window's buffers for sending. Returns the consensus distance
+        ``||x - S||`` (``S`` before the update).
         """
         self._wait()
-        x, s = self.replica, self.global_model
-        if self.first_window:
-            distance = _norm([xb - sb for xb, sb in zip(x, s, strict=True)])  # once per fit
-            start = self._scratch
-        else:
-            start = s  # V == S after the first merge
-        for xb, vb, out in zip(x, start, self._scratch, strict=True):
-            torch.sub(xb, vb, out=out)  # delta = x - V
-        if not self.first_window:
-            distance = _norm(self._scratch)
-        torch._foreach_add_(s, self.in_flight, alpha=1.0 / self.world)
-        if self.flat_buffers is not None:
-            torch._foreach_copy_(self.global_buffers, self._buffers_in_flight)
-            torch._foreach_div_(self.global_buffers, float(self.world))
+        x, start = self.replica, self._start()
+        for xb, vb, d in zip(x, start, self._delta, strict=True):
+            torch.sub(xb, vb, out=d)  # d = x - V
+        # in the paper rule's steady state V == S, so x - S is d itself: no extra pass
+        distance = _norm(self._delta if start is self.global_model else torch._foreach_sub(x, self.global_model))
+        self._apply_in_flight()
+        self._stage_buffers()
         self.first_window = False
         return distance
 
-    def _payload(self) -> list[Tensor]:
-        return self.in_flight + self._buffers_in_flight
+    def _apply_in_flight(self) -> None:
+        """``S <- outer(S, F / W)``; the global buffers become the in-flight buffers' mean."""
+        self.outer.step_(self.global_model, self.in_flight, scale=1.0 / self.world)
+        if self.flat_buffers is not None:
+            torch._foreach_copy_(self.global_buffers, self._buffers_in_flight)
+            torch._foreach_div_(self.global_buffers, float(self.world))
 
-    def _launch(self) -> None:
+    def _stage_buffers(self) -> None:
+        if self.flat_buffers is not None:  # the buffers' values go with this window's change
+            torch._foreach_copy_(self._buffers_in_flight, self._buffers())
+
+    def _restart(self) -> None:
+        """Open the next window: ``x <- S`` (paper) or ``x <- S + d``, ``V <- x`` (eager)."""
+        torch._foreach_copy_(self.replica, self.global_model)
+        if self._own_start is not None:
+            torch._foreach_add_(self.replica, self._delta)
+            torch._foreach_copy_(self._own_start, self.replica)
+        if self.flat_buffers is not None:
+            torch._foreach_copy_(self._buffers(), self.global_buffers)
+
+    def _send(self) -> None:
+        """Launch the background SUM of ``d`` (compressed if asked) and the staged buffers."""
+        if self.codec is not None:
+            self.in_flight = self.codec.encode_(self._delta)
+        else:  # d becomes the in-flight buffer; the waited one is the next scratch
+            self.in_flight, self._delta = self._delta, self.in_flight
         self._works = all_reduce_sum_async(self._payload(), self.group, self.stats)
         self.since_launch = 0
         self._blocked_mark = self.stats.blocked_s
+
+    def _payload(self) -> list[Tensor]:
+        return self.in_flight + self._buffers_in_flight
 
     def _wait(self) -> None:
         # the only place an in-flight buffer becomes readable
@@ -246,28 +305,43 @@ class HPSGD:
         self._works = []
 
     @torch.no_grad()
+    def _drain_into(self, model: list[Tensor], outer: OuterNesterov, commit: bool) -> list[Tensor]:
+        """Apply the in-flight window and the steps since it to ``model`` (``S`` or a copy of it).
+
+        The steps since the last launch take a blocking reduction (``commit``: this rank's bf16
+        rounding residual is updated, as for any window sent). Returns the buffers' mean.
+        """
+        self._wait()
+        partial = self.since_launch > 0
+        delta = list(torch._foreach_sub(self.replica, self._start())) if partial else []  # V may be S: first
+        outer.step_(model, self.in_flight, scale=1.0 / self.world)
+        buffers = [b / self.world for b in self._buffers_in_flight]
+        if not partial:
+            return buffers
+        if self.codec is not None:
+            delta = self.codec.encode_(delta) if commit else self.codec.peek(delta)
+        own = [b.clone() for b in self._buffers()]
+        all_reduce_sum_(delta + own, self.group, self.stats)
+        outer.step_(model, delta, scale=1.0 / self.world)
+        return [b / self.world for b in own]
+
+    @torch.no_grad()
     def finalize(self) -> None:
         """End of training: merge the in-flight window and the steps since it, so no update is lost.
 
         Afterwards every rank's replica (and, with ``buffers``, its buffers) holds the global
-        model, and the next :meth:`step` starts a new pipeline.
+        model, and the next :meth:`step` starts a new pipeline. Calling it again is a no-op.
         """
         if not self.launched:
             return
-        self._close_window()
-        if self.since_launch:  # the partial window: a blocking reduction, once per fit
-            if self.flat_buffers is not None:
-                torch._foreach_copy_(self._buffers_in_flight, self._buffers())
-            all_reduce_sum_(self._scratch + self._buffers_in_flight, self.group, self.stats)
-            torch._foreach_add_(self.global_model, self._scratch, alpha=1.0 / self.world)
-            if self.flat_buffers is not None:
-                torch._foreach_div_(self._buffers_in_flight, float(self.world))
-                torch._foreach_copy_(self.global_buffers, self._buffers_in_flight)
-            self.merges += 1
-        self.merges += 1
+        self.merges += 2 if self.since_launch else 1
+        buffers = self._drain_into(self.global_model, self.outer, commit=True)
         torch._foreach_copy_(self.replica, self.global_model)
+        if self._own_start is not None:
+            torch._foreach_copy_(self._own_start, self.global_model)
         if self.flat_buffers is not None:
-            torch._foreach_copy_(self._buffers(), self.global_buffers)
+            torch._foreach_copy_(self.global_buffers, buffers)
+            torch._foreach_copy_(self._buffers(), buffers)
         self.launched, self.since_launch = False, 0
 
     # ------------------------------------------------------------------ views of the global model
@@ -275,17 +349,31 @@ class HPSGD:
         """Per-parameter views of the global model ``S``, in the order of ``params``."""
         return self.flat.split(self.global_model)
 
+    def _current_model(self) -> tuple[list[Tensor], list[Tensor]]:
+        """The parameters and buffers :meth:`finalize` would leave now, without changing any state."""
+        if not self.launched:
+            return self.global_model, self.global_buffers
+        model = [s.clone() for s in self.global_model]
+        return model, self._drain_into(model, self.outer.copy(), commit=False)
+
     @contextmanager
     def consensus(self) -> Iterator[None]:
-        """Hold the global model (and global buffers) in the replica while inside, then restore it."""
-        if self._replica is not None:  # nested: already holding S
+        """Hold the consensus model in the replica while inside, then restore the replica.
+
+        The consensus model is what :meth:`finalize` would leave if training stopped now: ``S``
+        advanced by the in-flight window and by the mean of the steps since it (a blocking
+        reduction, so every rank must enter; the in-flight reduction is waited for). It is the
+        model ``fit()`` would return at this point, where ``S`` alone lags up to two windows.
+        """
+        if self._replica is not None:  # nested: already holding it
             yield
             return
         with torch.no_grad():
             self._replica = ([b.clone() for b in self.replica], [b.clone() for b in self._buffers()])
-            torch._foreach_copy_(self.replica, self.global_model)
+            model, buffers = self._current_model()
+            torch._foreach_copy_(self.replica, model)
             if self.flat_buffers is not None:
-                torch._foreach_copy_(self._buffers(), self.global_buffers)
+                torch._foreach_copy_(self._buffers(), buffers)
         try:
             yield
         finally:
@@ -298,14 +386,17 @@ class HPSGD:
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """Counters and per-tensor copies of ``S``, the (waited) in-flight sum and ``V`` when distinct.
+        """This rank's state: counters, ``S``, in-flight sum, ``V``, outer momentum, residual.
 
-        Waits for the in-flight reduction first (a stored buffer must be a finished sum); in mode
-        ``'fixed'`` this changes no result. Per-tensor lists keep checkpoints independent of the
-        bucket size. Inside :meth:`consensus`, the replica being held aside is stored as well.
+        ``V`` is stored only where it differs from ``S``. Waits for the in-flight reduction first
+        (a stored buffer must be a finished sum); in mode ``'fixed'`` this changes no result.
+        Per-tensor lists keep checkpoints independent of the bucket size. Inside
+        :meth:`consensus`, the replica being held aside is stored as well.
         """
         self._wait()
+        split = self.flat.split
         state: dict[str, Any] = {
+            "merge": self.merge,
             "steps": self.steps,
             "merges": self.merges,
             "since_launch": self.since_launch,
@@ -314,32 +405,57 @@ class HPSGD:
             "global_model": self.global_tensors(),
         }
         if self.launched:
-            state["in_flight"] = self.flat.split(self.in_flight)
-        if self.first_window:
-            state["window_start"] = self.flat.split(self._scratch)
+            state["in_flight"] = split(self.in_flight)
+        if self._start() is not self.global_model:
+            state["window_start"] = split(self._start())
+        if self.outer.buffer:
+            state["outer_momentum"] = split(self.outer.buffer)
+        if self.codec is not None:
+            state["residual"] = split(self.codec.residual)
         if self.flat_buffers is not None:
             state["global_buffers"] = self.flat_buffers.split(self.global_buffers)
             state["buffers_in_flight"] = self.flat_buffers.split(self._buffers_in_flight)
         if self._replica is not None:
-            state["replica"] = self.flat.split(self._replica[0])
+            state["replica"] = split(self._replica[0])
             if self.flat_buffers is not None:
                 state["replica_buffers"] = self.flat_buffers.split(self._replica[1])
         return state
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Inverse of :meth:`state_dict` (the parameters' own values are restored separately)."""
+        """Inverse of :meth:`state_dict` (the parameters' own values are restored separately).
+
+        Raises:
+            ValueError: When the checkpoint was written with another ``merge`` rule, another
+                buffer policy, or for another model.
+        """
         self._wait()
+        merge = state.get("merge", "paper")  # checkpoints older than the merge option: the paper's rule
+        if merge != self.merge:
+            raise ValueError(
+                f"HPSGD: the checkpoint was written with merge={merge!r}, this run uses merge={self.merge!r}."
+            )
         self.steps, self.merges = int(state["steps"]), int(state["merges"])
         self.since_launch = int(state["since_launch"])
         self.launched, self.first_window = bool(state["launched"]), bool(state["first_window"])
         _load(self.flat, self.global_model, state["global_model"], "global_model")
         if self.launched:
             _load(self.flat, self.in_flight, state["in_flight"], "in_flight")
-        if self.first_window:
-            _load(self.flat, self._scratch, state["window_start"], "window_start")
+        if self._start() is not self.global_model:
+            _load(self.flat, self._start(), state.get("window_start", self.global_tensors()), "window_start")
+        self.outer.buffer = self.flat.zeros_like() if "outer_momentum" in state else []
+        if self.outer.buffer:
+            _load(self.flat, self.outer.buffer, state["outer_momentum"], "outer_momentum")
+        if self.codec is not None:  # a checkpoint without compression: nothing left out yet
+            torch._foreach_zero_(self.codec.residual)
+            _load(
+                self.flat, self.codec.residual, state.get("residual", self.flat.split(self.codec.residual)), "residual"
+            )
         if "replica" in state:
             _load(self.flat, self.replica, state["replica"], "replica")
+        self._load_buffers(state)
+
+    def _load_buffers(self, state: dict[str, Any]) -> None:
         if self.flat_buffers is None:
             if "global_buffers" in state:
                 raise ValueError("HPSGD: the checkpoint averaged buffers (sync_buffers) but this run does not.")

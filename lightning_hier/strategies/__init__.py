@@ -9,6 +9,7 @@ from lightning_hier.strategies.decoupled import DecoupledStrategy
 from lightning_hier.strategies.grawa import GrawaStrategy
 from lightning_hier.strategies.grid2d import Grid2DStrategy
 from lightning_hier.strategies.hpsgd import HPSGDStrategy
+from lightning_hier.strategies.peers import DDPCommHookStrategy
 
 STRATEGIES: tuple[type[HierStrategy], ...] = (
     LocalSGDStrategy,
@@ -23,15 +24,21 @@ STRATEGIES: tuple[type[HierStrategy], ...] = (
 
 
 def register_all() -> None:
-    """Register every strategy name (and its ``_spawn`` / ``_fork`` variants) with Lightning."""
+    """Register every strategy name (and its ``_spawn`` / ``_fork`` variants) with Lightning.
+
+    Besides :data:`STRATEGIES`, the DDP peers of :class:`DDPCommHookStrategy` (a ``DDPStrategy``,
+    not a :class:`HierStrategy`): ``ddp_post_local_sgd``, ``ddp_powersgd``, ``ddp_fp16``.
+    """
     for cls in STRATEGIES:
         cls.register_strategies(StrategyRegistry)
+    DDPCommHookStrategy.register_strategies(StrategyRegistry)
 
 
 __all__ = [
     "STRATEGIES",
     "AveragingStrategy",
     "DBSStrategy",
+    "DDPCommHookStrategy",
     "DecoupledStrategy",
     "EasgdStrategy",
     "GrawaStrategy",

@@ -53,6 +53,7 @@ from lightning_hier.comm import CommStats, FailureBoard, broadcast_, broadcast_o
 from lightning_hier.comm.failures import is_communication_error
 from lightning_hier.rng import capture_rng, restore_rng
 from lightning_hier.strategies import _checkpoint as ckpt
+from lightning_hier.strategies._registry import register_family
 from lightning_hier.topology import ProcessGroups, Topology
 
 if TYPE_CHECKING:
@@ -462,15 +463,7 @@ class HierStrategy(ParallelStrategy):
     def _register_family(cls, registry: _StrategyRegistry, name: str, **init_params: Any) -> None:
         """Register ``name`` (popen), ``name_spawn`` and ``name_fork`` with fixed arguments."""
         doc = (cls.__doc__ or cls.__name__).strip().splitlines()[0]
-        for suffix, method in (("", "popen"), ("_spawn", "spawn"), ("_fork", "fork")):
-            registry.register(
-                f"{name}{suffix}",
-                cls,
-                description=f"{doc} (start_method='{method}')",
-                override=True,
-                start_method=method,
-                **init_params,
-            )
+        register_family(registry, cls, name, doc, **init_params)
 
 
 class _ReportingLauncher(_MultiProcessingLauncher):

@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 
 from lightning_hier import _validate as v
-from lightning_hier.algorithms.hpsgd import HPSGD, MODES, Merge
+from lightning_hier.algorithms.compression import COMPRESSIONS
+from lightning_hier.algorithms.hpsgd import HPSGD, MERGES, MODES, Merge
 from lightning_hier.strategies._algorithm import AlgorithmStrategy
 from lightning_hier.strategies._buckets import bucket_arguments, check_bucket_options
 
@@ -31,10 +32,13 @@ class HPSGDStrategy(AlgorithmStrategy[HPSGD]):
     The model is not wrapped in DDP: there is no per-step gradient all-reduce. Every ``window``
     optimizer steps the replica's change over the window is launched as an asynchronous SUM
     all-reduce; when the next window closes it is waited for, the global model ``S`` advances by
-    the average change (one window stale) and the replica restarts from ``S``. Validation during
-    fit, the checkpoint's ``state_dict`` and the module after ``fit()`` hold ``S`` on every rank;
-    at the end of fit the in-flight window and the steps since it are merged, so no update is
-    lost.
+    the average change (one window stale) and the replica restarts from ``S`` plus its own
+    newest change (``merge='eager'``, the default) or from ``S`` alone (``merge='paper'``, Zhou
+    et al.'s rule, which needs light inner momentum). Validation during fit and the checkpoint's
+    ``state_dict`` hold the model ``fit()`` would return at that point (``S`` advanced by the
+    window in flight and the mean of the steps since), equal on every rank; at the end of fit
+    those are merged for good, so no update is lost. The exact rules are in
+    :mod:`lightning_hier.algorithms.hpsgd`.
 
     Args:
         window: ``H``, optimizer steps per window (gradient accumulation does not change it). In
@@ -43,6 +47,12 @@ class HPSGDStrategy(AlgorithmStrategy[HPSGD]):
             as the reduction has completed on every rank, after at least ``window`` steps; ranks
             agree through a MIN all-reduce of a flag on a separate control group each step;
             window lengths then depend on timing).
+        merge: ``'eager'`` (replica restarts from ``S + own newest window change``; safe with
+            momentum 0.9, Nesterov and AdamW) or ``'paper'`` (replica restarts from ``S``).
+        outer_lr: Outer learning rate applied to the averaged window change (``1.0``: added as is).
+        outer_momentum: Outer Nesterov momentum on the averaged change, as DiLoCo (``0.0``: none).
+        compression: ``'none'`` (float32 window changes) or ``'bf16'`` (bfloat16 with error
+            feedback: half the bytes; the global model stays float32).
         sync_buffers: Average floating-point buffers (BatchNorm statistics) at each merge, with
             the same one-window staleness as the parameters. ``False``: buffers stay local and
             each rank evaluates ``S`` with its own buffers.
@@ -74,6 +84,10 @@ class HPSGDStrategy(AlgorithmStrategy[HPSGD]):
         self,
         window: int = 2,
         mode: str = "fixed",
+        merge: str = "eager",
+        outer_lr: float = 1.0,
+        outer_momentum: float = 0.0,
+        compression: str = "none",
         sync_buffers: bool = True,
         reset_optimizer_state: bool = False,
         bucket_size_mb: float = 25.0,
@@ -83,6 +97,14 @@ class HPSGDStrategy(AlgorithmStrategy[HPSGD]):
         owner = type(self).__name__
         self.window = v.check_int(owner, "window", window, minimum=1)
         self.mode = v.check_choice(owner, "mode", mode, MODES)
+        self.merge = v.check_choice(owner, "merge", merge, MERGES)
+        self.outer_lr = v.check_float(
+            owner, "outer_lr", outer_lr, low=0.0, high=float("inf"), low_inclusive=False, high_inclusive=False
+        )
+        self.outer_momentum = v.check_float(
+            owner, "outer_momentum", outer_momentum, low=0.0, high=1.0, high_inclusive=False
+        )
+        self.compression = v.check_choice(owner, "compression", compression, COMPRESSIONS)
         self.sync_buffers, self.bucket_size_mb = check_bucket_options(owner, sync_buffers, bucket_size_mb)
         self.reset_optimizer_state = v.check_bool(owner, "reset_optimizer_state", reset_optimizer_state)
         self.algorithm = None
@@ -96,6 +118,10 @@ class HPSGDStrategy(AlgorithmStrategy[HPSGD]):
             group=self.groups.data,
             window=self.window,
             mode=self.mode,
+            merge=self.merge,
+            outer_lr=self.outer_lr,
+            outer_momentum=self.outer_momentum,
+            compression=self.compression,
             **bucket_arguments(module, self.sync_buffers, self.bucket_size_mb),
             stats=self.comm_stats,
             control_group=self._poll_group(),

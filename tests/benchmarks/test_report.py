@@ -89,6 +89,18 @@ def test_comparison_against_ddp():
     assert comp["rows"][BASELINE]["acc_at_equal_time"] == 0.5  # DDP had done 2 of 4 epochs by then
     # DDP exposes no blocked time: estimated against the no-communication reference (40 - 10 s)
     assert runs[BASELINE]["blocked_s"] == 30.0 and runs[BASELINE]["blocked_estimated"]
+    assert runs["localsgd"]["blocked_s"] == 3.0 and not runs["localsgd"]["blocked_estimated"]  # measured
+
+
+def test_ddp_peers_blocked_time_is_estimated_like_ddps():
+    runs = _runs()
+    runs["ddp+fp16"] = summarize(Scenario("grawa_cnn", "ddp_fp16", label="ddp+fp16"), _job(25.0, [0.6], [400, 400]))
+    compare(W, runs)
+    assert runs["ddp+fp16"]["blocked_s"] == 15.0 and runs["ddp+fp16"]["blocked_estimated"]
+    del runs[NO_COMM]
+    runs["ddp+fp16"]["blocked_s"] = None
+    compare(W, runs)
+    assert runs["ddp+fp16"]["blocked_s"] is None  # no reference run: nothing to estimate from
 
 
 def test_targets_met_missed_pending_failed():
@@ -102,6 +114,24 @@ def test_targets_met_missed_pending_failed():
     assert pending["status"] == "pending"
     result["runs"]["localsgd"] = {"label": "localsgd", "error": "rank 1 exited with code 1.\nTraceback"}
     assert check_target(local, Target("epoch_s", "<=", 1.0), result)["status"] == "failed"
+
+
+def test_targets_on_time_to_accuracy_and_against_a_peer():
+    runs = _runs()
+    result = {"runs": runs, "comparison": compare(W, runs)}
+    local = Scenario("grawa_cnn", "localsgd", {"tau": 8})
+    # localsgd reaches 0.55 after 10 s, DDP after 30 s: 1/3 of DDP's time
+    check = check_target(local, Target("time_to_target_s", "<=", 0.5), result)
+    assert check["status"] == "met" and check["ratio"] == pytest.approx(1 / 3)
+    # at the equal time (20 s) localsgd has 0.6, the no-communication run 0.55
+    versus = check_target(local, Target("acc_at_equal_time", ">=", 1.0, versus=NO_COMM), result)
+    assert versus["status"] == "met" and versus["target"] == ">= 1 x no-comm"
+    assert check_target(local, Target("epoch_s", "<=", 1.0, versus="powersgd"), result)["status"] == "n/a"
+    runs["localsgd"]["timeline"] = [{"train_s": 20.0, "val_acc": 0.5}]  # never reaches the target
+    result = {"runs": runs, "comparison": compare(W, runs)}
+    never = check_target(local, Target("time_to_target_s", "<=", 0.5), result)
+    assert never["status"] == "missed" and "this run never reached" in never["note"]
+    assert Scenario("grawa_cnn", "localsgd", target=(Target("epoch_s", "<=", 1), Target("final_acc", ">=", 1))).targets
 
 
 def test_diagnosis_breaks_the_step_time_down():
@@ -138,8 +168,8 @@ def test_outputs_json_markdown_and_plots(tmp_path):
     assert "| localsgd | tau=8 | 100 | 2.00 | 5.0 | 0.50 | 10 | 0.600 | -0.020 | 0.600 |" in md
     assert "| mgrawa | failed: rank 0 exited with code 1. |" in md
     assert "| ddp | defaults |" in md and "30.0 (est.)" in md and "![grawa_cnn](grawa_cnn.png)" in md
-    assert "| localsgd bytes_per_epoch | grawa_cnn | 0.125 | ~ 0.125 | met |" in md
-    assert "| hpsgd samples_per_s | hpsgd_mlp | - | >= 1.5 | pending |" in md
+    assert "| localsgd bytes_per_epoch | grawa_cnn | 0.125 | ~ 0.125 x ddp | met |" in md
+    assert "| hpsgd samples_per_s | hpsgd_mlp | - | >= 1.5 x ddp | pending |" in md
     assert "Not run: hpsgd_mlp / hpsgd (not registered)." in md
 
 
@@ -184,3 +214,21 @@ def test_a_partial_invocation_keeps_the_other_workloads_of_the_last_one():
     assert merged["workloads"]["grawa_cnn"] == {"meta": old_meta, "runs": {"ddp": 1}}  # kept, with its provenance
     assert "gone" not in merged["workloads"]  # no longer a workload
     assert merged["skipped"] == [{"workload": "decoupled_cnn", "label": "decoupled"}]
+
+
+def test_recorder_keeps_the_consensus_communication_on_the_training_clock():
+    from types import SimpleNamespace
+
+    from benchmarks.rank import Recorder
+
+    ticks = iter([0.0, 10.0, 12.0, 15.0, 20.0])  # train start, validation start, first batch, end, fit end
+    rec = Recorder(clock=lambda: next(ticks))
+    trainer = SimpleNamespace(sanity_checking=False, current_epoch=0, global_step=5, callback_metrics={"val/acc": 0.5})
+    rec.on_train_start(trainer, None)
+    rec.on_validation_start(trainer, None)  # the strategy builds its consensus after this hook: 2 s
+    rec.on_validation_batch_start(trainer, None, None, 0)
+    rec.on_validation_batch_start(trainer, None, None, 1)  # later batches do not move the mark
+    rec.on_validation_end(trainer, None)
+    rec.on_train_end(trainer, None)
+    assert rec.timeline[0]["train_s"] == 12.0 and rec.timeline[0]["wall_s"] == 15.0
+    assert rec.train_s == 17.0  # 20 s of fit minus the 3 s spent on validation batches

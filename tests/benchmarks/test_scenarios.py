@@ -129,3 +129,31 @@ def test_a_straggler_without_cgroups_asks_for_delay_mode(monkeypatch):
     assert "use --straggler-mode delay" in run.straggler_problem(args, slowed)
     assert run.straggler_problem(argparse.Namespace(straggler_mode="delay"), slowed) is None
     assert run.straggler_problem(args, plan({"localsgd"}, workloads=["grawa_cnn"])) is None
+
+
+def test_ddp_peers_run_beside_the_workloads_they_apply_to():
+    def labels(workload):
+        return {sc.label: sc for sc in SCENARIOS if sc.workload == workload}
+
+    for name in ("hpsgd_mlp", "hpsgd_mlp_100mbit", "hpsgd_cnn"):
+        assert {"ddp+postlocalsgd", "ddp+powersgd", "ddp+fp16"} <= set(labels(name)), name
+    for name in ("hpsgd_mlp", "hpsgd_mlp_100mbit", "grawa_cnn"):  # PostLocalSGD's period is Local SGD's tau
+        table = labels(name)
+        assert table["ddp+postlocalsgd"].args["model_averaging_period"] == table["localsgd"].args["tau"], name
+    assert labels("hpsgd_mlp")["ddp+powersgd"].args == {"powersgd_rank": 4}
+
+
+def _epochs(args, workload, scenario):
+    overrides = run.run_overrides(args, workload, scenario, ["data=synthetic"])
+    return compose_config([*overrides, *RUN_OVERRIDES], str(workload.searchpath)).trainer.max_epochs
+
+
+def test_workload_overrides_apply_to_every_run_and_yield_to_quick_and_epochs():
+    w = WORKLOADS["hpsgd_mlp_100mbit"]
+    assert w.link == "100mbit" and w.experiment == WORKLOADS["hpsgd_mlp"].experiment
+    runs = [s for s in SCENARIOS if s.workload == w.name] + [Scenario(w.name, BASELINE)]
+    full = argparse.Namespace(quick=False, epochs=None, extra=[])
+    assert {_epochs(full, w, sc) for sc in runs} == {2}  # DDP and every scenario: the workload's 2 epochs
+    assert _epochs(argparse.Namespace(quick=False, epochs=3, extra=[]), w, runs[0]) == 3  # --epochs: every run
+    assert _epochs(argparse.Namespace(quick=True, epochs=None, extra=[]), w, runs[0]) == 2
+    assert _epochs(full, WORKLOADS["hpsgd_mlp"], Scenario("hpsgd_mlp", BASELINE)) == 6  # others keep the recipe's

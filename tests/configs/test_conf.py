@@ -9,7 +9,7 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_hier import HierStrategy
+from lightning_hier import DDPCommHookStrategy, HierStrategy
 from lightning_hier.train import build_module, build_strategy, build_trainer, conf_dir, resolve_start_method
 
 CONF = conf_dir()
@@ -70,7 +70,7 @@ def test_experiment_presets_compose(option):
 def _constructor_args(cls: type) -> set[str]:
     names: set[str] = set()
     for klass in cls.__mro__:
-        if klass is HierStrategy.__mro__[1]:  # stop at Lightning's ParallelStrategy
+        if klass.__module__.startswith("lightning."):  # stop at Lightning's ParallelStrategy / DDPStrategy
             break
         if "__init__" in vars(klass):
             params = inspect.signature(klass.__init__).parameters.values()
@@ -82,7 +82,8 @@ def _our_registry_names() -> dict[str, type]:
     out = {}
     for name, entry in StrategyRegistry.items():
         cls = entry["strategy"]
-        if isinstance(cls, type) and issubclass(cls, HierStrategy) and not name.endswith(("_spawn", "_fork")):
+        ours = isinstance(cls, type) and issubclass(cls, HierStrategy | DDPCommHookStrategy)
+        if ours and not name.endswith(("_spawn", "_fork")):
             out[name] = cls
     return out
 

@@ -33,7 +33,7 @@ def _sgd(module: nn.Module, momentum: float = 0.0) -> torch.optim.Optimizer:
     return torch.optim.SGD(module.parameters(), lr=LR, momentum=momentum)
 
 
-def _train(window: int, mode: str = "fixed", momentum: float = 0.0, batch_norm: bool = False, **hp) -> dict:
+def _train(window: int, mode: str = "fixed", momentum: float = 0.0, batch_norm: bool = False, **hp: object) -> dict:
     """One rank: train its own data with HPSGD; record S after every merge and the final replica."""
     group = dist.group.WORLD if dist.is_initialized() else None
     rank = dist.get_rank() if group is not None else 0
@@ -66,10 +66,16 @@ def _reference(world: int, merge_steps: list[int], momentum: float = 0.0, batch_
     return ref.run(_batch, STEPS, merge_steps)
 
 
-CASES = [{"window": h} for h in (1, 2, 3)] + [
-    {"window": 2, "momentum": 0.9, "batch_norm": True},
-    {"window": 3, "momentum": 0.9, "reset_optimizer_state": True},
+CASES = [{"window": h, "merge": "paper"} for h in (1, 2, 3)] + [
+    {"window": 2, "merge": "paper", "momentum": 0.9, "batch_norm": True},
+    {"window": 3, "merge": "paper", "momentum": 0.9, "reset_optimizer_state": True},
+    # the eager rule (the default), with inner momentum, BatchNorm and an outer Nesterov optimizer
+    *({"window": h, "merge": "eager", "momentum": 0.9} for h in (1, 2, 3)),
+    {"window": 2, "merge": "eager", "batch_norm": True, "outer_lr": 0.7, "outer_momentum": 0.9},
+    {"window": 3, "merge": "paper", "momentum": 0.9, "outer_lr": 0.7, "outer_momentum": 0.9},
+    {"window": 2, "merge": "eager", "momentum": 0.9, "compression": "bf16"},
 ]
+HP_ARGS = ("merge", "outer_lr", "outer_momentum", "compression")
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -77,19 +83,47 @@ def test_global_model_after_every_merge_matches_the_recurrence(world):
     results = run_workers(_grid, CASES, devices=world, timeout=120)
     for i, case in enumerate(CASES):
         window = case["window"]
-        extra = {k: v for k, v in case.items() if k != "window"}
-        expected = _reference(world, fixed_merge_steps(window, STEPS), **extra)
+        extra = {k: v for k, v in case.items() if k not in ("window", "compression")}
+        bf16 = case.get("compression") == "bf16"
+        expected = _reference(world, fixed_merge_steps(window, STEPS), bf16=bf16, **extra)
+        # gloo sums bfloat16 payloads pairwise in bfloat16; the reference rounds the exact sum once
+        atol = 1e-6 if not bf16 or world == 2 else 1e-3
         for rank, result in enumerate(results):
             got = result[i]
             assert got["merge_steps"] == fixed_merge_steps(window, STEPS), (case, rank)
             assert len(got["history"]) == len(expected)
             for r, (a, b) in enumerate(zip(got["history"], expected, strict=True)):
-                torch.testing.assert_close(a, b, atol=1e-6, rtol=0, msg=f"{case} rank {rank} merge {r}")
+                torch.testing.assert_close(a, b, atol=atol, rtol=0, msg=f"{case} rank {rank} merge {r}")
         # every rank ends with the same global model and, with sync_buffers, the same buffers
         assert all(torch.equal(results[0][i]["history"][-1], r[i]["history"][-1]) for r in results)
         if case.get("batch_norm"):
             first = results[0][i]["buffers"]
             assert all(torch.equal(a, b) for r in results for a, b in zip(first, r[i]["buffers"], strict=True))
+
+
+def test_eager_rule_keeps_each_replica_on_its_own_newest_window():
+    # x = S + d_own after every merge: the replicas differ by exactly their own newest changes
+    def run() -> dict:
+        dist.init_process_group("gloo")
+        rank = dist.get_rank()
+        net = _net()
+        opt = _sgd(net, 0.9)
+        algo = HPSGD(net.parameters(), dist.group.WORLD, window=2, merge="eager")
+        out = {}
+        for step in range(5):  # launch at 1, merges at 3 and 5
+            before = params_of(net)
+            opt.zero_grad()
+            _loss(net, _batch(rank, step)).backward()
+            opt.step()
+            if algo.step() is not None:
+                out[step] = (params_of(net), torch.cat([t.reshape(-1) for t in algo.global_tensors()]), before)
+        return out
+
+    results = run_workers(run, devices=2, timeout=60)
+    for step in (2, 4):
+        s0, s1 = results[0][step][1], results[1][step][1]
+        assert torch.equal(s0, s1)  # one global model
+        assert not torch.equal(results[0][step][0], results[1][step][0])  # two replicas
 
 
 def test_poll_mode_ranks_agree_and_match_the_recurrence_at_their_merge_steps():
@@ -99,7 +133,7 @@ def test_poll_mode_ranks_agree_and_match_the_recurrence_at_their_merge_steps():
         dist.init_process_group("gloo")
         control = dist.new_group([0, 1])
         torch.manual_seed(0)
-        return [_train(window=1, mode="poll", control_group=control)]
+        return [_train(window=1, mode="poll", merge="paper", control_group=control)]
 
     results = run_workers(run, devices=2, timeout=120)
     steps = results[0][0]["merge_steps"]
@@ -126,7 +160,7 @@ def test_window_one_with_plain_sgd_is_one_stale_synchronous_sgd():
         rank = dist.get_rank()
         x = nn.Parameter(torch.ones(4))
         opt = torch.optim.SGD([x], lr=lr)
-        algo = HPSGD([x], dist.group.WORLD, window=1)
+        algo = HPSGD([x], dist.group.WORLD, window=1, merge="paper")
         for _ in range(steps):
             opt.zero_grad()
             (0.5 * (a[rank] @ x - b[rank]).square().sum()).backward()

@@ -48,13 +48,13 @@ class GlobalRecorder(Callback):
             self.history.append(torch.cat([t.reshape(-1) for t in algo.global_tensors()]).clone())
 
 
-def _fit_shards(window: int, epochs: int, **trainer_kwargs: object) -> dict:
+def _fit_shards(window: int, epochs: int, hp: dict | None = None, **trainer_kwargs: object) -> dict:
     module = Classifier(_net(), 10, lr=LR, momentum=0.9)
     rec = GlobalRecorder()
     x, y = _shard(int(os.environ["RANK"]))
     loader = DataLoader(TensorDataset(x, y), batch_size=BATCH, shuffle=False)
     t = trainer(
-        strategy=HPSGDStrategy(window=window, timeout=30, bucket_size_mb=0.001),
+        strategy=HPSGDStrategy(window=window, timeout=30, bucket_size_mb=0.001, **(hp or {"merge": "paper"})),
         max_epochs=epochs,
         devices=int(os.environ["WORLD_SIZE"]),
         use_distributed_sampler=False,
@@ -86,23 +86,33 @@ def _reference(world: int, window: int, epochs: int, accumulate: int = 1, **kw: 
     return ref.run(batch, total, fixed_merge_steps(window, total))
 
 
+EAGER = {"merge": "eager"}
+DILOCO = {"merge": "eager", "outer_lr": 0.7, "outer_momentum": 0.9, "compression": "bf16"}
+
+
 @pytest.mark.parametrize(
-    ("world", "window", "epochs", "trainer_kwargs", "ref_kwargs"),
+    ("world", "window", "epochs", "hp", "trainer_kwargs", "ref_kwargs"),
     [
-        (2, 3, 2, {}, {}),
-        (4, 2, 2, {}, {}),
-        (2, 2, 4, {"accumulate_grad_batches": 2}, {"accumulate": 2}),  # the cadence counts optimizer steps
-        (2, 2, 2, {"gradient_clip_val": 0.5}, {"clip_norm": 0.5}),
+        (2, 3, 2, None, {}, {}),
+        (4, 2, 2, None, {}, {}),
+        (2, 2, 4, None, {"accumulate_grad_batches": 2}, {"accumulate": 2}),  # the cadence counts optimizer steps
+        (2, 2, 2, None, {"gradient_clip_val": 0.5}, {"clip_norm": 0.5}),
+        (2, 3, 2, EAGER, {}, EAGER),
+        (4, 2, 2, EAGER, {}, EAGER),
+        (2, 2, 2, DILOCO, {}, {"merge": "eager", "outer_lr": 0.7, "outer_momentum": 0.9, "bf16": True}),
     ],
-    ids=["W2-H3", "W4-H2", "accumulation", "clipping"],
+    ids=["W2-H3", "W4-H2", "accumulation", "clipping", "eager-W2-H3", "eager-W4-H2", "eager-outer-bf16"],
 )
-def test_global_model_after_every_merge_matches_the_recurrence(world, window, epochs, trainer_kwargs, ref_kwargs):
-    out = run_workers(_fit_shards, window, epochs, devices=world, **trainer_kwargs)
+def test_global_model_after_every_merge_matches_the_recurrence(world, window, epochs, hp, trainer_kwargs, ref_kwargs):
+    out = run_workers(_fit_shards, window, epochs, hp, devices=world, **trainer_kwargs)
     expected = _reference(world, window, epochs, **ref_kwargs)
+    # bfloat16 payloads: float32 round-off in another order can flip one bf16 rounding (an ulp of
+    # a window change, ~1e-5 here), which error feedback then carries into the next window
+    atol = 1e-4 if ref_kwargs.get("bf16") else 1e-6
     for rank, result in enumerate(out):
         assert len(result["history"]) == len(expected)
         for r, (a, b) in enumerate(zip(result["history"], expected, strict=True)):
-            torch.testing.assert_close(a, b, atol=1e-6, rtol=0, msg=f"rank {rank} merge {r}")
+            torch.testing.assert_close(a, b, atol=atol, rtol=0, msg=f"rank {rank} merge {r}")
     assert torch.equal(out[0]["history"][-1], out[1]["history"][-1])  # every rank ends with S
 
 
@@ -134,8 +144,48 @@ def test_digits_accuracy_is_within_one_point_of_ddp_at_equal_epochs():
     assert hpsgd >= ddp - 0.01, (hpsgd, ddp)
 
 
+class UserModule(pl.LightningModule):
+    """Written as a user would: the network under ``self.model``, the user's own optimizer."""
+
+    def __init__(self, optimizer: str) -> None:
+        super().__init__()
+        self.model = nn.Sequential(nn.Flatten(), nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
+        self.optimizer = optimizer
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return nn.functional.cross_entropy(self.model(batch[0]), batch[1])
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        acc = (self.model(batch[0]).argmax(1) == batch[1]).float().mean()
+        self.log("acc", acc, sync_dist=True)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        if self.optimizer == "adamw":
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9, nesterov=True)
+
+
+def _user_fit(strategy: str, optimizer: str) -> float:
+    torch.manual_seed(0)
+    module = UserModule(optimizer)
+    t = trainer(strategy=strategy, max_epochs=6)
+    dm = digits(batch_size=32)
+    t.fit(module, datamodule=dm)
+    return t.validate(module, datamodule=dm, verbose=False)[0]["acc"]
+
+
+@pytest.mark.parametrize("optimizer", ["nesterov", "adamw"])
+def test_default_hpsgd_matches_ddp_with_the_optimizers_users_have(optimizer):
+    # the strategy by name at default arguments, on a module and optimizer this project did not
+    # tune: Nesterov momentum 0.9 made the paper's merge rule lose 3-30 points here
+    ddp = run_workers(_user_fit, "ddp", optimizer, devices=2)[0]
+    hpsgd = run_workers(_user_fit, "hpsgd", optimizer, devices=2)[0]
+    assert ddp > 0.9
+    assert hpsgd >= ddp - 0.02, (hpsgd, ddp)
+
+
 class EvalRecorder(Callback):
-    """What validation during fit sees (inside the strategy's consensus) and what S is then."""
+    """What validation during fit sees (inside the strategy's consensus) and the mean of the replicas then."""
 
     def __init__(self) -> None:
         self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -144,11 +194,13 @@ class EvalRecorder(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: object, batch_idx: int, *args: object
     ) -> None:
         if trainer.state.fn == "fit" and batch_idx == 0:
-            algo = trainer.strategy.algorithm
-            self.pairs.append((flat_params(pl_module), torch.cat([t.reshape(-1) for t in algo.global_tensors()])))
+            replica = torch.cat([b.reshape(-1) for b in trainer.strategy.algorithm._replica[0]])
+            everyone = [torch.empty_like(replica) for _ in range(trainer.world_size)]
+            torch.distributed.all_gather(everyone, replica)
+            self.pairs.append((flat_params(pl_module), torch.stack(everyone).mean(0)))
 
 
-def test_validation_during_and_after_fit_and_test_use_the_global_model():
+def test_validation_during_and_after_fit_and_test_see_the_model_fit_would_return():
     def fit_then_evaluate() -> dict:
         module = digits_classifier()
         evals = EvalRecorder()
@@ -171,8 +223,9 @@ def test_validation_during_and_after_fit_and_test_use_the_global_model():
     r0, r1 = run_workers(fit_then_evaluate, devices=2)
     for r in (r0, r1):
         assert len(r["evals"]) == 2
-        for seen, global_model in r["evals"]:
-            assert torch.equal(seen, global_model)  # validation during fit evaluated S
+        # eager rule: the model finalize() would leave is the mean of the current replicas
+        for seen, mean_of_replicas in r["evals"]:
+            torch.testing.assert_close(seen, mean_of_replicas, atol=1e-6, rtol=0)
         assert torch.equal(r["after_fit"], r["global"])
         assert torch.equal(r["after_eval"], r["after_fit"])
     assert torch.equal(r0["after_fit"], r1["after_fit"])
@@ -223,13 +276,14 @@ def test_resume_continues_bit_identically_and_checkpoint_holds_the_global_model(
     assert algo[0]["steps"] == 22 and algo[0]["since_launch"] == 1 and algo[0]["launched"]
     names = list(ckpt["state_dict"])
     weight = names.index("net.0.1.weight")
-    # the checkpoint's state_dict is the global model S, identical on both ranks
-    assert torch.equal(ckpt["state_dict"]["net.0.1.weight"], algo[0]["global_model"][weight])
+    replicas = [section["ranks"][r]["model"]["net.0.1.weight"] for r in range(2)]
+    # the checkpoint's state_dict is the model fit() would return there: with the eager rule the
+    # mean of the replicas (S advanced by the window in flight and the local step)
+    torch.testing.assert_close(ckpt["state_dict"]["net.0.1.weight"], (replicas[0] + replicas[1]) / 2, atol=1e-6, rtol=0)
     assert torch.equal(algo[0]["global_model"][weight], algo[1]["global_model"][weight])
     assert torch.equal(algo[0]["in_flight"][weight], algo[1]["in_flight"][weight])  # a finished SUM
-    # each rank's replica is stored too (also when the module held S while saving inside
-    # validation: the base puts the replicas back for the capture), and they differ (one local step)
-    replicas = [section["ranks"][r]["model"]["net.0.1.weight"] for r in range(2)]
+    # each rank's replica is stored too (also when the module held the consensus while saving
+    # inside validation: the base puts the replicas back for the capture), and they differ
     assert not torch.equal(replicas[0], replicas[1])
     assert not any("replica" in algo[r] for r in range(2))
 

@@ -49,11 +49,27 @@ def _algo(net: nn.Module, opt: torch.optim.Optimizer, window: int = 3, **kw) -> 
     return HPSGD(net.parameters(), None, window, buffers=float_buffers(net), bucket_bytes=64, optimizer=opt, **kw)
 
 
+VARIANTS = [
+    {"merge": "paper"},
+    {"merge": "eager"},
+    {"merge": "eager", "outer_lr": 0.7, "outer_momentum": 0.9},
+    {"merge": "paper", "outer_lr": 0.5},
+    {"merge": "eager", "compression": "bf16"},
+    {"merge": "paper", "compression": "bf16", "outer_momentum": 0.5},
+]
+
+
+def _reference_args(variant: dict) -> dict:
+    out = {k: v for k, v in variant.items() if k != "compression"}
+    return {**out, "bf16": variant.get("compression") == "bf16"}
+
+
 @pytest.mark.parametrize("window", [1, 3])
-def test_single_worker_follows_the_recurrence(window):
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "-".join(f"{k}={x}" for k, x in v.items()))
+def test_single_worker_follows_the_recurrence(window, variant):
     net = _net()
     opt = _opt(net)
-    algo = _algo(net, opt, window)
+    algo = _algo(net, opt, window, **variant)
     history = []
     for step in range(STEPS):
         _train_step(net, opt, step)
@@ -61,17 +77,18 @@ def test_single_worker_follows_the_recurrence(window):
             history.append(torch.cat([t.reshape(-1) for t in algo.global_tensors()]).clone())
     algo.finalize()
     history.append(params_of(net))
-    expected = Reference(_net, _opt, _loss, 1).run(_batch, STEPS, fixed_merge_steps(window, STEPS))
+    reference = Reference(_net, _opt, _loss, 1, **_reference_args(variant))
+    expected = reference.run(_batch, STEPS, fixed_merge_steps(window, STEPS))
     assert len(history) == len(expected)
     for a, b in zip(history, expected, strict=True):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
 
 
-def _run(stop: int | None = None, state: dict | None = None, inside_consensus: bool = False) -> tuple:
+def _run(stop: int | None = None, state: dict | None = None, inside_consensus: bool = False, **variant) -> tuple:
     """Train STEPS steps; optionally snapshot everything after ``stop`` steps, or start from ``state``."""
     net = _net()
     opt = _opt(net)
-    algo = _algo(net, opt)
+    algo = _algo(net, opt, **variant)
     first = 0
     if state is not None:
         net.load_state_dict(state["net"])
@@ -115,32 +132,61 @@ def _clone(state):
 @pytest.mark.parametrize("stop", range(1, STEPS))  # the first window, a merge step (k = 0), mid-window
 @pytest.mark.parametrize("inside_consensus", [False, True])
 def test_state_dict_round_trip_continues_bit_identically(stop, inside_consensus):
-    _, straight = _run()
-    snapshot, _ = _run(stop=stop, inside_consensus=inside_consensus)
-    _, resumed = _run(state=snapshot)
+    _, straight = _run(merge="paper")
+    snapshot, _ = _run(stop=stop, inside_consensus=inside_consensus, merge="paper")
+    _, resumed = _run(state=snapshot, merge="paper")
     assert all(torch.equal(a, b) for a, b in zip(straight, resumed, strict=True))
     assert ("window_start" in snapshot["algo"]) == (stop < 4)  # V differs from S only in the first window
     assert ("replica" in snapshot["algo"]) == inside_consensus
 
 
-def test_consensus_holds_the_global_model_and_restores_the_replica():
-    net = _net()
-    opt = _opt(net)
-    algo = _algo(net, opt)
-    for step in range(5):  # merge at step 4, one local step since
-        _train_step(net, opt, step)
-        algo.step()
-    replica = params_of(net)
-    buffers = [b.clone() for b in float_buffers(net)]
-    global_model = torch.cat([t.reshape(-1) for t in algo.global_tensors()])
-    assert not torch.equal(replica, global_model)
+@pytest.mark.parametrize("stop", [1, 4, 6])
+@pytest.mark.parametrize("variant", VARIANTS[1:], ids=lambda v: "-".join(f"{k}={x}" for k, x in v.items()))
+def test_round_trip_keeps_window_start_outer_momentum_and_residual(stop, variant):
+    _, straight = _run(**variant)
+    snapshot, _ = _run(stop=stop, **variant)
+    _, resumed = _run(state=snapshot, **variant)
+    assert all(torch.equal(a, b) for a, b in zip(straight, resumed, strict=True))
+    assert ("outer_momentum" in snapshot["algo"]) == (variant.get("outer_momentum", 0) > 0 and stop >= 4)
+    assert ("residual" in snapshot["algo"]) == (variant.get("compression") == "bf16")
+
+
+def test_a_checkpoint_of_another_merge_rule_is_rejected():
+    snapshot, _ = _run(stop=5, merge="paper")
+    with pytest.raises(ValueError, match="written with merge='paper', this run uses merge='eager'"):
+        _run(state=snapshot, merge="eager")
+
+
+@pytest.mark.parametrize("steps", [0, 1, 3, 4, 5])  # before training, first window, mid-window, at a merge
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "-".join(f"{k}={x}" for k, x in v.items()))
+def test_consensus_holds_what_finalize_would_leave_and_restores_everything(steps, variant):
+    def trained() -> tuple[nn.Module, HPSGD]:
+        net = _net()
+        opt = _opt(net)
+        algo = _algo(net, opt, **variant)
+        for step in range(steps):
+            _train_step(net, opt, step)
+            algo.step()
+        return net, algo
+
+    finished, algo = trained()
+    algo.finalize()
+    expected = [t.clone() for t in finished.state_dict().values()]
+    net, algo = trained()
+    before = [t.clone() for t in net.state_dict().values()]
+    state = algo.state_dict()
     with algo.consensus():
-        assert torch.equal(params_of(net), global_model)
-        with algo.consensus():  # nested: still the global model
-            assert torch.equal(params_of(net), global_model)
-        assert torch.equal(params_of(net), global_model)
-    assert torch.equal(params_of(net), replica)
-    assert all(torch.equal(a, b) for a, b in zip(buffers, float_buffers(net), strict=True))
+        assert all(torch.equal(a, b) for a, b in zip(net.state_dict().values(), expected, strict=True))
+        with algo.consensus():  # nested: still the same model
+            assert all(torch.equal(a, b) for a, b in zip(net.state_dict().values(), expected, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(net.state_dict().values(), before, strict=True))
+    # looking ahead changed no state: the run continues as if consensus() had never been entered
+    after = algo.state_dict()
+    for key, value in state.items():
+        if isinstance(value, list):
+            assert all(torch.equal(a, b) for a, b in zip(value, after[key], strict=True)), key
+        else:
+            assert value == after[key], key
 
 
 def test_parameters_become_views_of_a_few_buckets():
@@ -189,6 +235,10 @@ def test_loading_a_state_of_another_model_or_buffer_policy_is_rejected():
         ({"window": 0}, "argument `window` must be an integer >= 1, got 0"),
         ({"window": 2.5}, "argument `window` must be an integer >= 1, got 2.5"),
         ({"mode": "adaptive"}, "argument `mode` must be one of 'fixed', 'poll', got 'adaptive'"),
+        ({"merge": "late"}, "argument `merge` must be one of 'eager', 'paper', got 'late'"),
+        ({"compression": "int8"}, "argument `compression` must be one of 'none', 'bf16', got 'int8'"),
+        ({"outer_lr": float("inf")}, r"argument `outer_lr` must be a number in \(0.0, inf\), got inf"),
+        ({"outer_momentum": 1.0}, r"argument `outer_momentum` must be a number in \[0.0, 1.0\), got 1.0"),
         ({"sync_buffers": "yes"}, "argument `sync_buffers` must be True or False, got 'yes'"),
         ({"reset_optimizer_state": 1}, "argument `reset_optimizer_state` must be True or False, got 1"),
         ({"bucket_size_mb": 0}, r"argument `bucket_size_mb` must be a number > 0.0, got 0"),
@@ -208,6 +258,14 @@ def test_algorithm_arguments_are_checked_too():
         HPSGD(params, None, mode="sometimes")
     with pytest.raises(ValueError, match="`reset_optimizer_state=True` needs the inner `optimizer`"):
         HPSGD(params, None, reset_optimizer_state=True)
+    with pytest.raises(ValueError, match=r"`merge` must be one of .*got 'lazy'"):
+        HPSGD(params, None, merge="lazy")
+    with pytest.raises(ValueError, match=r"`compression` must be one of .*got 'fp8'"):
+        HPSGD(params, None, compression="fp8")
+    with pytest.raises(ValueError, match=r"`momentum` must be in \[0, 1\), got 1.0"):
+        HPSGD(params, None, outer_momentum=1.0)
+    with pytest.raises(ValueError, match=r"`lr` must be a finite number > 0, got 0\.0"):
+        HPSGD(params, None, outer_lr=0.0)
 
 
 @pytest.mark.parametrize(("name", "method"), [("hpsgd", "popen"), ("hpsgd_spawn", "spawn"), ("hpsgd_fork", "fork")])

@@ -1,0 +1,200 @@
+"""Lightning's DDP with one of torch's DDP communication hooks, registered on every device.
+
+These are what a Lightning user would pick instead of this library's algorithms, so the
+benchmarks run them as peers:
+
+- ``post_local_sgd``: post-local SGD (Lin et al., "Don't Use Large Mini-Batches, Use Local SGD",
+  ICLR 2020): no gradient all-reduce after ``warmup_steps``; a ``PeriodicModelAverager``
+  averages the parameters every ``model_averaging_period`` optimizer steps.
+- ``powersgd``: PowerSGD (Vogels, Karimireddy and Jaggi, NeurIPS 2019): gradients compressed to
+  rank-``powersgd_rank`` factors with error feedback, after ``warmup_steps`` plain all-reduces.
+- ``fp16``: gradients cast to float16 for the all-reduce (half the bytes).
+
+Lightning's ``DDPStrategy`` registers ``ddp_comm_hook`` only when the device is CUDA: on CPU the
+hook is silently ignored (every step all-reduces fp32 gradients), while a ``PostLocalSGDState``
+still switches the model averager on. :class:`DDPCommHookStrategy` registers the hook on any
+device and sets what gloo needs:
+
+- PostLocalSGD runs with ``post_local_gradient_allreduce=False``: torch's default (``True``)
+  all-reduces gradients inside each node over ``dist.new_subgroups()``, which needs CUDA.
+- PowerSGD chains a second all-reduce in a callback of the first; with several DDP buckets the
+  callbacks run in a different order on different ranks, which gloo aborts on ("collective
+  mismatch"). Without NCCL the model goes into one bucket (``bucket_cap_mb`` sized to it).
+- Only fp16 is offered: torch's ``bf16_compress_hook`` refuses gloo.
+"""
+
+from __future__ import annotations
+
+import math
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.strategies import _StrategyRegistry
+from lightning.pytorch.strategies import DDPStrategy
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, post_localSGD_hook, powerSGD_hook
+from torch.nn import Module
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_hier import _validate as v
+from lightning_hier.strategies._base import BACKENDS, DEFAULT_TIMEOUT_S, _check_timeout
+from lightning_hier.strategies._registry import register_family
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+HOOKS = ("post_local_sgd", "powersgd", "fp16")
+REGISTRY_NAMES = {"ddp_post_local_sgd": "post_local_sgd", "ddp_powersgd": "powersgd", "ddp_fp16": "fp16"}
+START_METHODS = ("popen", "spawn", "fork", "forkserver")
+DEFAULT_PERIOD = 8  # as LocalSGDStrategy's default tau
+DEFAULT_POWERSGD_RANK = 4
+# PowerSGD can start compressing at the third step at the earliest (DDP rebuilds its buckets
+# after the first); post-local SGD may start at once (as LocalSGDStrategy does).
+MIN_WARMUP = {"post_local_sgd": 0, "powersgd": 2}
+# DDPStrategy's own arguments that the hook choice sets.
+_SET_BY_HOOK = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper")
+
+
+class DDPCommHookStrategy(DDPStrategy):
+    """Lightning's DDP with a torch communication hook (PostLocalSGD, PowerSGD or fp16), on any device.
+
+    Args:
+        hook: ``'post_local_sgd'``, ``'powersgd'`` or ``'fp16'`` (see the module docstring).
+        model_averaging_period: ``post_local_sgd`` only: average the parameters every this many
+            optimizer steps (default 8).
+        powersgd_rank: ``powersgd`` only: rank of the low-rank gradient factors (default 4).
+        warmup_steps: Steps of plain gradient all-reduce before the hook's method starts
+            (``post_local_sgd``: default 0; ``powersgd``: at least 2, default 2; ``fp16``: none).
+        bucket_cap_mb: DDP's bucket size in MiB (``None``: DDP's default, 25). For ``powersgd``
+            without NCCL, ``None`` sizes one bucket to hold the whole model, and a smaller value
+            fails when the model is wrapped.
+        timeout: Seconds (or a ``timedelta``) a collective may wait before the run fails.
+        start_method: ``'popen'`` (Lightning's default; torchrun/SLURM), ``'spawn'``, ``'fork'``
+            or ``'forkserver'``.
+        process_group_backend: ``None`` (gloo on CPU, NCCL on GPU), ``'gloo'``, ``'nccl'`` or ``'mpi'``.
+        **kwargs: Further arguments of ``DistributedDataParallel`` (e.g. ``find_unused_parameters``).
+
+    Raises:
+        ValueError: An argument is out of range, or set for a hook that does not use it.
+
+    Example::
+
+        trainer = pl.Trainer(strategy=DDPCommHookStrategy("powersgd", powersgd_rank=4), accelerator="cpu", devices=2)
+        trainer = pl.Trainer(strategy="ddp_post_local_sgd", accelerator="cpu", devices=2)  # period 8
+    """
+
+    def __init__(
+        self,
+        hook: str,
+        model_averaging_period: int | None = None,
+        powersgd_rank: int | None = None,
+        warmup_steps: int | None = None,
+        bucket_cap_mb: float | None = None,
+        timeout: float | timedelta = DEFAULT_TIMEOUT_S,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        process_group_backend: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        owner = type(self).__name__
+        self.hook = v.check_choice(owner, "hook", hook, HOOKS)
+        self.model_averaging_period = _only_for(
+            owner, hook, "post_local_sgd", "model_averaging_period", model_averaging_period, DEFAULT_PERIOD
+        )
+        self.powersgd_rank = _only_for(owner, hook, "powersgd", "powersgd_rank", powersgd_rank, DEFAULT_POWERSGD_RANK)
+        self.warmup_steps = _check_warmup(owner, hook, warmup_steps)
+        if bucket_cap_mb is not None:
+            v.check_float(owner, "bucket_cap_mb", bucket_cap_mb, low=0.0, low_inclusive=False)
+        self.bucket_cap_mb = bucket_cap_mb
+        for name in _SET_BY_HOOK:
+            if name in kwargs:
+                raise ValueError(f"{owner}: argument `{name}` is set by `hook`; pass the hook's own arguments instead.")
+        v.check_choice(owner, "start_method", start_method, START_METHODS)
+        v.check_choice(owner, "process_group_backend", process_group_backend, BACKENDS)
+        if bucket_cap_mb is not None:
+            kwargs["bucket_cap_mb"] = bucket_cap_mb
+        super().__init__(
+            ddp_comm_hook=_HOOK_FUNCTIONS[hook],
+            model_averaging_period=self.model_averaging_period,
+            timeout=_check_timeout(owner, "timeout", timeout),
+            start_method=start_method,
+            process_group_backend=process_group_backend,
+            **kwargs,
+        )
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        """Register ``ddp_post_local_sgd``, ``ddp_powersgd``, ``ddp_fp16`` and their ``_spawn`` / ``_fork`` names."""
+        for name, hook in REGISTRY_NAMES.items():
+            register_family(
+                strategy_registry, cls, name, f"DDP with torch's {hook} communication hook, on any device", hook=hook
+            )
+
+    def _setup_model(self, model: Module) -> DistributedDataParallel:
+        if self.hook == "powersgd" and dist.get_backend() != "nccl":
+            self._ddp_kwargs["bucket_cap_mb"] = self._one_bucket_mb(model)
+        return super()._setup_model(model)
+
+    def _one_bucket_mb(self, model: Module) -> float:
+        """A bucket size (MiB) that holds every trainable parameter of ``model``."""
+        size_mb = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad) / 2**20
+        if self.bucket_cap_mb is None:
+            return float(math.floor(size_mb) + 1)
+        if self.bucket_cap_mb < size_mb:
+            raise ValueError(
+                f"{type(self).__name__}: argument `bucket_cap_mb` must be None or >= {size_mb:.2f} (the model's "
+                f"trainable parameters, MiB) for hook 'powersgd' without NCCL, got {self.bucket_cap_mb!r}: with "
+                "several buckets PowerSGD's chained all-reduces run in a different order on each rank over gloo."
+            )
+        return self.bucket_cap_mb
+
+    def _register_ddp_hooks(self) -> None:
+        # Lightning registers the hook only on CUDA; a fresh state per fit (PowerSGD keeps error
+        # feedback and step counters in it, post-local SGD its step counter).
+        assert isinstance(self.model, DistributedDataParallel)
+        self._ddp_comm_state = self._new_state()
+        hook: Callable[..., Any] = self._ddp_comm_hook  # type: ignore[assignment]
+        self.model.register_comm_hook(self._ddp_comm_state, hook)
+
+    def _new_state(self) -> object:
+        if self.hook == "post_local_sgd":
+            return post_localSGD_hook.PostLocalSGDState(
+                process_group=None,
+                subgroup=None,
+                start_localSGD_iter=self.warmup_steps,
+                post_local_gradient_allreduce=False,
+            )
+        if self.hook == "powersgd":
+            return powerSGD_hook.PowerSGDState(
+                process_group=None,
+                matrix_approximation_rank=self.powersgd_rank,
+                start_powerSGD_iter=self.warmup_steps,
+            )
+        return None  # fp16: the state is the process group (None: the world)
+
+
+_HOOK_FUNCTIONS: dict[str, Callable[..., torch.futures.Future[torch.Tensor]]] = {
+    "post_local_sgd": post_localSGD_hook.post_localSGD_hook,
+    "powersgd": powerSGD_hook.powerSGD_hook,
+    "fp16": default_hooks.fp16_compress_hook,
+}
+
+
+def _only_for(owner: str, hook: str, user: str, name: str, value: int | None, default: int) -> int | None:
+    """A positive integer that only hook ``user`` takes (``None``: ``default``); other hooks require ``None``."""
+    if hook != user:
+        if value is not None:
+            raise ValueError(
+                f"{owner}: argument `{name}` must be None for hook {hook!r} (only {user!r} uses it), got {value!r}."
+            )
+        return None
+    return v.check_int(owner, name, default if value is None else value, minimum=1)
+
+
+def _check_warmup(owner: str, hook: str, value: int | None) -> int:
+    if hook not in MIN_WARMUP:
+        if value not in (None, 0):
+            raise ValueError(f"{owner}: argument `warmup_steps` must be None or 0 for hook {hook!r}, got {value!r}.")
+        return 0
+    least = MIN_WARMUP[hook]
+    return v.check_int(owner, "warmup_steps", least if value is None else value, minimum=least)
