@@ -59,7 +59,6 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -67,6 +66,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_hier.algorithms.compression import COMPRESSIONS, Bf16ErrorFeedback
+from lightning_hier.algorithms.hpsgd_state import HPSGDCheckpoint
 from lightning_hier.algorithms.outer import OuterNesterov
 from lightning_hier.comm import CommStats, FlatTensors, all_reduce_sum_, all_reduce_sum_async, group_size, wait_all
 from lightning_hier.comm.collectives import Group, payload_bytes
@@ -96,7 +96,7 @@ class Merge:
     merges: int
 
 
-class HPSGD:
+class HPSGD(HPSGDCheckpoint):
     """The HPSGD state machine (see the module docstring for the exact rules).
 
     Args:
@@ -384,96 +384,6 @@ class HPSGD:
                     torch._foreach_copy_(self._buffers(), bufs)
             self._replica = None
 
-    # ------------------------------------------------------------------ checkpoints
-    def state_dict(self) -> dict[str, Any]:
-        """This rank's state: counters, ``S``, in-flight sum, ``V``, outer momentum, residual.
-
-        ``V`` is stored only where it differs from ``S``. Waits for the in-flight reduction first
-        (a stored buffer must be a finished sum); in mode ``'fixed'`` this changes no result.
-        Per-tensor lists keep checkpoints independent of the bucket size. Inside
-        :meth:`consensus`, the replica being held aside is stored as well.
-        """
-        self._wait()
-        split = self.flat.split
-        state: dict[str, Any] = {
-            "merge": self.merge,
-            "steps": self.steps,
-            "merges": self.merges,
-            "since_launch": self.since_launch,
-            "launched": self.launched,
-            "first_window": self.first_window,
-            "global_model": self.global_tensors(),
-        }
-        if self.launched:
-            state["in_flight"] = split(self.in_flight)
-        if self._start() is not self.global_model:
-            state["window_start"] = split(self._start())
-        if self.outer.buffer:
-            state["outer_momentum"] = split(self.outer.buffer)
-        if self.codec is not None:
-            state["residual"] = split(self.codec.residual)
-        if self.flat_buffers is not None:
-            state["global_buffers"] = self.flat_buffers.split(self.global_buffers)
-            state["buffers_in_flight"] = self.flat_buffers.split(self._buffers_in_flight)
-        if self._replica is not None:
-            state["replica"] = split(self._replica[0])
-            if self.flat_buffers is not None:
-                state["replica_buffers"] = self.flat_buffers.split(self._replica[1])
-        return state
-
-    @torch.no_grad()
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Inverse of :meth:`state_dict` (the parameters' own values are restored separately).
-
-        Raises:
-            ValueError: When the checkpoint was written with another ``merge`` rule, another
-                buffer policy, or for another model.
-        """
-        self._wait()
-        merge = state.get("merge", "paper")  # checkpoints older than the merge option: the paper's rule
-        if merge != self.merge:
-            raise ValueError(
-                f"HPSGD: the checkpoint was written with merge={merge!r}, this run uses merge={self.merge!r}."
-            )
-        self.steps, self.merges = int(state["steps"]), int(state["merges"])
-        self.since_launch = int(state["since_launch"])
-        self.launched, self.first_window = bool(state["launched"]), bool(state["first_window"])
-        _load(self.flat, self.global_model, state["global_model"], "global_model")
-        if self.launched:
-            _load(self.flat, self.in_flight, state["in_flight"], "in_flight")
-        if self._start() is not self.global_model:
-            _load(self.flat, self._start(), state.get("window_start", self.global_tensors()), "window_start")
-        self.outer.buffer = self.flat.zeros_like() if "outer_momentum" in state else []
-        if self.outer.buffer:
-            _load(self.flat, self.outer.buffer, state["outer_momentum"], "outer_momentum")
-        if self.codec is not None:  # a checkpoint without compression: nothing left out yet
-            torch._foreach_zero_(self.codec.residual)
-            _load(
-                self.flat, self.codec.residual, state.get("residual", self.flat.split(self.codec.residual)), "residual"
-            )
-        if "replica" in state:
-            _load(self.flat, self.replica, state["replica"], "replica")
-        self._load_buffers(state)
-
-    def _load_buffers(self, state: dict[str, Any]) -> None:
-        if self.flat_buffers is None:
-            if "global_buffers" in state:
-                raise ValueError("HPSGD: the checkpoint averaged buffers (sync_buffers) but this run does not.")
-            return
-        if "global_buffers" not in state:
-            raise ValueError("HPSGD: this run averages buffers (sync_buffers) but the checkpoint did not.")
-        _load(self.flat_buffers, self.global_buffers, state["global_buffers"], "global_buffers")
-        _load(self.flat_buffers, self._buffers_in_flight, state["buffers_in_flight"], "buffers_in_flight")
-        if "replica_buffers" in state:
-            _load(self.flat_buffers, self._buffers(), state["replica_buffers"], "replica_buffers")
-
 
 def _norm(tensors: Sequence[Tensor]) -> float:
     return float(torch.stack(torch._foreach_norm(list(tensors))).norm()) if tensors else 0.0
-
-
-def _load(flat: FlatTensors, dst: list[Tensor], src: Sequence[Tensor], name: str) -> None:
-    views = flat.split(dst)
-    if len(src) != len(views) or any(a.shape != b.shape for a, b in zip(src, views, strict=True)):
-        raise ValueError(f"HPSGD: checkpoint entry `{name}` does not match this model's parameters.")
-    torch._foreach_copy_(views, [t.to(v.device, v.dtype) for t, v in zip(src, views, strict=True)])
