@@ -44,8 +44,3 @@ class Bf16ErrorFeedback:
         torch._foreach_copy_(self.payload, self.residual)  # p <- bf16(d + e)
         torch._foreach_sub_(self.residual, self.payload)  # e <- (d + e) - p
         return self.payload
-
-    @torch.no_grad()
-    def peek(self, change: Sequence[Tensor]) -> list[Tensor]:
-        """What :meth:`encode_` would send for ``change``, as new tensors; nothing is updated."""
-        return [(d + e).to(torch.bfloat16) for d, e in zip(change, self.residual, strict=True)]

@@ -305,21 +305,21 @@ class HPSGD(HPSGDCheckpoint):
         self._works = []
 
     @torch.no_grad()
-    def _drain_into(self, model: list[Tensor], outer: OuterNesterov, commit: bool) -> list[Tensor]:
-        """Apply the in-flight window and the steps since it to ``model`` (``S`` or a copy of it).
+    def _drain_into(self, model: list[Tensor], outer: OuterNesterov, partial: bool) -> list[Tensor]:
+        """Apply the in-flight window to ``model`` (``S`` or a copy of it) and return the buffers' mean.
 
-        The steps since the last launch take a blocking reduction (``commit``: this rank's bf16
-        rounding residual is updated, as for any window sent). Returns the buffers' mean.
+        ``partial``: also the steps since the last launch, through a blocking reduction (this
+        rank's bf16 rounding residual is updated, as for any window sent).
         """
         self._wait()
-        partial = self.since_launch > 0
+        partial = partial and self.since_launch > 0
         delta = list(torch._foreach_sub(self.replica, self._start())) if partial else []  # V may be S: first
         outer.step_(model, self.in_flight, scale=1.0 / self.world)
         buffers = [b / self.world for b in self._buffers_in_flight]
         if not partial:
             return buffers
         if self.codec is not None:
-            delta = self.codec.encode_(delta) if commit else self.codec.peek(delta)
+            delta = self.codec.encode_(delta)
         own = [b.clone() for b in self._buffers()]
         all_reduce_sum_(delta + own, self.group, self.stats)
         outer.step_(model, delta, scale=1.0 / self.world)
@@ -335,7 +335,7 @@ class HPSGD(HPSGDCheckpoint):
         if not self.launched:
             return
         self.merges += 2 if self.since_launch else 1
-        buffers = self._drain_into(self.global_model, self.outer, commit=True)
+        buffers = self._drain_into(self.global_model, self.outer, partial=True)
         torch._foreach_copy_(self.replica, self.global_model)
         if self._own_start is not None:
             torch._foreach_copy_(self._own_start, self.global_model)
@@ -350,20 +350,20 @@ class HPSGD(HPSGDCheckpoint):
         return self.flat.split(self.global_model)
 
     def _current_model(self) -> tuple[list[Tensor], list[Tensor]]:
-        """The parameters and buffers :meth:`finalize` would leave now, without changing any state."""
+        """``S`` and the buffers advanced by the window in flight, without changing any state."""
         if not self.launched:
             return self.global_model, self.global_buffers
         model = [s.clone() for s in self.global_model]
-        return model, self._drain_into(model, self.outer.copy(), commit=False)
+        return model, self._drain_into(model, self.outer.copy(), partial=False)
 
     @contextmanager
     def consensus(self) -> Iterator[None]:
         """Hold the consensus model in the replica while inside, then restore the replica.
 
-        The consensus model is what :meth:`finalize` would leave if training stopped now: ``S``
-        advanced by the in-flight window and by the mean of the steps since it (a blocking
-        reduction, so every rank must enter; the in-flight reduction is waited for). It is the
-        model ``fit()`` would return at this point, where ``S`` alone lags up to two windows.
+        The consensus model is the newest global model every rank agrees on: ``S`` advanced by
+        the window in flight (waited for; no extra communication), i.e. the global model of the
+        next merge. It lags the replicas by the steps since the last launch (fewer than
+        ``window``); :meth:`finalize` merges those too. At the end of fit the two coincide.
         """
         if self._replica is not None:  # nested: already holding it
             yield

@@ -33,6 +33,7 @@ class GlobalRecorder(Callback):
 
     def __init__(self) -> None:
         self.history: list[torch.Tensor] = []
+        self.steps: list[int] = []
         self._merges = 0
 
     def on_fit_start(self, trainer: pl.Trainer, *args: object) -> None:
@@ -46,6 +47,7 @@ class GlobalRecorder(Callback):
         if algo.merges != self._merges:
             self._merges = algo.merges
             self.history.append(torch.cat([t.reshape(-1) for t in algo.global_tensors()]).clone())
+            self.steps.append(trainer.global_step)
 
 
 def _fit_shards(window: int, epochs: int, hp: dict | None = None, **trainer_kwargs: object) -> dict:
@@ -185,31 +187,30 @@ def test_default_hpsgd_matches_ddp_with_the_optimizers_users_have(optimizer):
 
 
 class EvalRecorder(Callback):
-    """What validation during fit sees (inside the strategy's consensus) and the mean of the replicas then."""
+    """What validation during fit sees (inside the strategy's consensus), at which step, and whether finished."""
 
     def __init__(self) -> None:
-        self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.seen: list[tuple[int, torch.Tensor, bool]] = []
 
     def on_validation_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: object, batch_idx: int, *args: object
     ) -> None:
         if trainer.state.fn == "fit" and batch_idx == 0:
-            replica = torch.cat([b.reshape(-1) for b in trainer.strategy.algorithm._replica[0]])
-            everyone = [torch.empty_like(replica) for _ in range(trainer.world_size)]
-            torch.distributed.all_gather(everyone, replica)
-            self.pairs.append((flat_params(pl_module), torch.stack(everyone).mean(0)))
+            finished = not trainer.strategy.algorithm.launched
+            self.seen.append((trainer.global_step, flat_params(pl_module), finished))
 
 
-def test_validation_during_and_after_fit_and_test_see_the_model_fit_would_return():
+def test_validation_sees_the_next_merges_global_model_and_the_finished_one_at_the_end():
     def fit_then_evaluate() -> dict:
         module = digits_classifier()
-        evals = EvalRecorder()
-        t = trainer(strategy=HPSGDStrategy(window=3, timeout=30), max_epochs=2, callbacks=[evals])
+        evals, merges = EvalRecorder(), GlobalRecorder()
+        t = trainer(strategy=HPSGDStrategy(window=3, timeout=30), max_epochs=2, callbacks=[evals, merges])
         dm = digits(batch_size=64)
         t.fit(module, datamodule=dm)
         algo = t.strategy.algorithm
         out = {
-            "evals": evals.pairs,
+            "evals": evals.seen,
+            "merges": dict(zip(merges.steps, merges.history, strict=True)),
             "after_fit": flat_params(module),
             "global": torch.cat([x.reshape(-1) for x in algo.global_tensors()]),
             "metrics": dict(t.strategy.last_metrics),
@@ -223,9 +224,12 @@ def test_validation_during_and_after_fit_and_test_see_the_model_fit_would_return
     r0, r1 = run_workers(fit_then_evaluate, devices=2)
     for r in (r0, r1):
         assert len(r["evals"]) == 2
-        # eager rule: the model finalize() would leave is the mean of the current replicas
-        for seen, mean_of_replicas in r["evals"]:
-            torch.testing.assert_close(seen, mean_of_replicas, atol=1e-6, rtol=0)
+        # during fit: S advanced by the window in flight, i.e. S right after the next merge; the
+        # last validation (after the last step) sees the finished model fit() returns
+        (mid_step, mid, mid_finished), (_, last, last_finished) = r["evals"]
+        assert mid_step == 11 and not mid_finished and last_finished
+        assert torch.equal(mid, r["merges"][min(k for k in r["merges"] if k > mid_step)])
+        assert torch.equal(last, r["after_fit"])
         assert torch.equal(r["after_fit"], r["global"])
         assert torch.equal(r["after_eval"], r["after_fit"])
     assert torch.equal(r0["after_fit"], r1["after_fit"])
@@ -277,9 +281,10 @@ def test_resume_continues_bit_identically_and_checkpoint_holds_the_global_model(
     names = list(ckpt["state_dict"])
     weight = names.index("net.0.1.weight")
     replicas = [section["ranks"][r]["model"]["net.0.1.weight"] for r in range(2)]
-    # the checkpoint's state_dict is the model fit() would return there: with the eager rule the
-    # mean of the replicas (S advanced by the window in flight and the local step)
-    torch.testing.assert_close(ckpt["state_dict"]["net.0.1.weight"], (replicas[0] + replicas[1]) / 2, atol=1e-6, rtol=0)
+    # the checkpoint's state_dict is the global model of the next merge: S plus the mean of the
+    # window in flight (a finished SUM over the 2 ranks)
+    next_global = algo[0]["global_model"][weight] + algo[0]["in_flight"][weight] / 2
+    torch.testing.assert_close(ckpt["state_dict"]["net.0.1.weight"], next_global, atol=1e-6, rtol=0)
     assert torch.equal(algo[0]["global_model"][weight], algo[1]["global_model"][weight])
     assert torch.equal(algo[0]["in_flight"][weight], algo[1]["in_flight"][weight])  # a finished SUM
     # each rank's replica is stored too (also when the module held the consensus while saving

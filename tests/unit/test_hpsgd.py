@@ -159,34 +159,41 @@ def test_a_checkpoint_of_another_merge_rule_is_rejected():
 
 @pytest.mark.parametrize("steps", [0, 1, 3, 4, 5])  # before training, first window, mid-window, at a merge
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "-".join(f"{k}={x}" for k, x in v.items()))
-def test_consensus_holds_what_finalize_would_leave_and_restores_everything(steps, variant):
-    def trained() -> tuple[nn.Module, HPSGD]:
-        net = _net()
-        opt = _opt(net)
-        algo = _algo(net, opt, **variant)
-        for step in range(steps):
-            _train_step(net, opt, step)
-            algo.step()
-        return net, algo
-
-    finished, algo = trained()
-    algo.finalize()
-    expected = [t.clone() for t in finished.state_dict().values()]
-    net, algo = trained()
+def test_consensus_holds_the_global_model_of_the_next_merge_and_restores_everything(steps, variant):
+    # the window in flight after ``steps`` steps is what the next merge (window 3: steps 4, 7,
+    # 10) adds to S, so the consensus then equals S right after that merge, buffers included
+    net = _net()
+    opt = _opt(net)
+    algo = _algo(net, opt, **variant)
+    for step in range(steps):
+        _train_step(net, opt, step)
+        algo.step()
     before = [t.clone() for t in net.state_dict().values()]
     state = algo.state_dict()
     with algo.consensus():
-        assert all(torch.equal(a, b) for a, b in zip(net.state_dict().values(), expected, strict=True))
+        seen = [t.clone() for t in net.state_dict().values()]
+        seen_model = [t.detach().clone() for t in [*net.parameters(), *float_buffers(net)]]
         with algo.consensus():  # nested: still the same model
-            assert all(torch.equal(a, b) for a, b in zip(net.state_dict().values(), expected, strict=True))
+            assert all(torch.equal(a, b) for a, b in zip(net.state_dict().values(), seen, strict=True))
     assert all(torch.equal(a, b) for a, b in zip(net.state_dict().values(), before, strict=True))
-    # looking ahead changed no state: the run continues as if consensus() had never been entered
-    after = algo.state_dict()
+    after = algo.state_dict()  # looking ahead changed no state
     for key, value in state.items():
         if isinstance(value, list):
             assert all(torch.equal(a, b) for a, b in zip(value, after[key], strict=True)), key
         else:
             assert value == after[key], key
+    if steps == 0:  # nothing launched yet: the initial model
+        assert all(torch.equal(a, b) for a, b in zip(seen, before, strict=True))
+        return
+    step = steps
+    while True:  # train on to the next merge
+        _train_step(net, opt, step)
+        step += 1
+        if algo.step() is not None:
+            break
+    expected = [*algo.global_tensors(), *algo.flat_buffers.split(algo.global_buffers)]
+    for a, b in zip(seen_model, expected, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
 
 
 def test_parameters_become_views_of_a_few_buckets():
