@@ -68,7 +68,7 @@ from torch.optim import Optimizer
 from lightning_hier.algorithms.compression import COMPRESSIONS, Bf16ErrorFeedback
 from lightning_hier.algorithms.hpsgd_state import HPSGDCheckpoint
 from lightning_hier.algorithms.outer import OuterNesterov
-from lightning_hier.comm import CommStats, FlatTensors, all_reduce_sum_, all_reduce_sum_async, group_size, wait_all
+from lightning_hier.comm import CommStats, FlatTensors, all_reduce_sum_async, group_size, wait_all
 from lightning_hier.comm.collectives import Group, payload_bytes
 
 MODES = ("fixed", "poll")
@@ -305,27 +305,6 @@ class HPSGD(HPSGDCheckpoint):
         self._works = []
 
     @torch.no_grad()
-    def _drain_into(self, model: list[Tensor], outer: OuterNesterov, partial: bool) -> list[Tensor]:
-        """Apply the in-flight window to ``model`` (``S`` or a copy of it) and return the buffers' mean.
-
-        ``partial``: also the steps since the last launch, through a blocking reduction (this
-        rank's bf16 rounding residual is updated, as for any window sent).
-        """
-        self._wait()
-        partial = partial and self.since_launch > 0
-        delta = list(torch._foreach_sub(self.replica, self._start())) if partial else []  # V may be S: first
-        outer.step_(model, self.in_flight, scale=1.0 / self.world)
-        buffers = [b / self.world for b in self._buffers_in_flight]
-        if not partial:
-            return buffers
-        if self.codec is not None:
-            delta = self.codec.encode_(delta)
-        own = [b.clone() for b in self._buffers()]
-        all_reduce_sum_(delta + own, self.group, self.stats)
-        outer.step_(model, delta, scale=1.0 / self.world)
-        return [b / self.world for b in own]
-
-    @torch.no_grad()
     def finalize(self) -> None:
         """End of training: merge the in-flight window and the steps since it, so no update is lost.
 
@@ -334,14 +313,19 @@ class HPSGD(HPSGDCheckpoint):
         """
         if not self.launched:
             return
-        self.merges += 2 if self.since_launch else 1
-        buffers = self._drain_into(self.global_model, self.outer, partial=True)
+        partial = self.since_launch > 0
+        self._close_window()
+        self.merges += 1
+        if partial:  # the steps since the last launch: a blocking reduction, once per fit
+            self._send()
+            self._wait()
+            self._apply_in_flight()
+            self.merges += 1
         torch._foreach_copy_(self.replica, self.global_model)
         if self._own_start is not None:
             torch._foreach_copy_(self._own_start, self.global_model)
         if self.flat_buffers is not None:
-            torch._foreach_copy_(self.global_buffers, buffers)
-            torch._foreach_copy_(self._buffers(), buffers)
+            torch._foreach_copy_(self._buffers(), self.global_buffers)
         self.launched, self.since_launch = False, 0
 
     # ------------------------------------------------------------------ views of the global model
@@ -353,8 +337,10 @@ class HPSGD(HPSGDCheckpoint):
         """``S`` and the buffers advanced by the window in flight, without changing any state."""
         if not self.launched:
             return self.global_model, self.global_buffers
+        self._wait()
         model = [s.clone() for s in self.global_model]
-        return model, self._drain_into(model, self.outer.copy(), partial=False)
+        self.outer.copy().step_(model, self.in_flight, scale=1.0 / self.world)  # what the next merge applies
+        return model, [b / self.world for b in self._buffers_in_flight]
 
     @contextmanager
     def consensus(self) -> Iterator[None]:

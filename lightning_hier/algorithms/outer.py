@@ -19,7 +19,6 @@ With ``lr = 1`` and ``mu = 0`` this is plain addition, bit for bit.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -72,18 +71,3 @@ class OuterNesterov:
         twin = OuterNesterov(self.lr, self.momentum)
         twin.buffer = [t.clone() for t in self.buffer]
         return twin
-
-    def state_dict(self) -> dict[str, Any]:
-        """The momentum buffer (empty before the first step or without momentum)."""
-        return {"lr": self.lr, "momentum": self.momentum, "buffer": [t.clone() for t in self.buffer]}
-
-    def load_state_dict(self, state: dict[str, Any], like: Sequence[Tensor]) -> None:
-        """Restore the buffer into tensors shaped like ``like`` (the model's buckets).
-
-        Raises:
-            ValueError: When the buffer's shapes do not match ``like``.
-        """
-        buffer = list(state.get("buffer", []))
-        if buffer and [t.numel() for t in buffer] != [t.numel() for t in like]:
-            raise ValueError("OuterNesterov: the checkpoint's momentum buffer does not match this model.")
-        self.buffer = [b.to(t.device, t.dtype).reshape(t.shape).clone() for b, t in zip(buffer, like, strict=True)]
