@@ -80,9 +80,6 @@ class AlgorithmStrategy(HierStrategy, Generic[A]):
         super().on_train_batch_start(batch, batch_idx)
         self._finished = False  # training goes on: the replicas may differ again
 
-    def on_train_end(self) -> None:
-        self.finish_training()  # safety net: finished already unless FinishFit is missing
-
     def _finalize_algorithm(self) -> None:
         if self.algorithm is not None:
             self.algorithm.finalize()

@@ -53,6 +53,7 @@ from lightning_hier.comm import CommStats, FailureBoard, broadcast_, broadcast_o
 from lightning_hier.comm.failures import is_communication_error
 from lightning_hier.rng import capture_rng, restore_rng
 from lightning_hier.strategies import _checkpoint as ckpt
+from lightning_hier.strategies._finite import FiniteChecks, warn_if_not_finite
 from lightning_hier.strategies._registry import register_family
 from lightning_hier.topology import ProcessGroups, Topology
 
@@ -69,7 +70,7 @@ START_METHODS = ("popen", "spawn", "fork")
 BACKENDS = (None, "gloo", "nccl", "mpi")
 
 
-class HierStrategy(ParallelStrategy):
+class HierStrategy(FiniteChecks, ParallelStrategy):
     """Base class of the lightning-hier strategies (see the module docstring).
 
     Args:
@@ -84,6 +85,10 @@ class HierStrategy(ParallelStrategy):
             inside notebooks, tests and Hydra multiruns).
         process_group_backend: ``'gloo'``, ``'nccl'``, ``'mpi'`` or ``None`` (NCCL on CUDA, gloo
             otherwise).
+        check_finite: Check every step that this rank's loss, gradients and parameters are finite
+            before they reach the other ranks, and stop the run with a
+            :class:`~lightning_hier.strategies._finite.NonFiniteError` naming the rank and step.
+            Off by default (one extra pass over the parameters per step).
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin:
             Set by the Trainer; as in Lightning's own strategies.
     """
@@ -97,6 +102,7 @@ class HierStrategy(ParallelStrategy):
         init_timeout: float | timedelta = DEFAULT_INIT_TIMEOUT_S,
         start_method: str = "popen",
         process_group_backend: str | None = None,
+        check_finite: bool = False,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -115,6 +121,7 @@ class HierStrategy(ParallelStrategy):
         self._init_timeout = _check_timeout(owner, "init_timeout", init_timeout)
         self._start_method = v.check_choice(owner, "start_method", start_method, START_METHODS)
         self._process_group_backend = v.check_choice(owner, "process_group_backend", process_group_backend, BACKENDS)
+        self.check_finite = v.check_bool(owner, "check_finite", check_finite)
         self._num_nodes = 1
         self._groups: ProcessGroups | None = None
         self._failures: FailureBoard | None = None
@@ -337,8 +344,13 @@ class HierStrategy(ParallelStrategy):
             dataloader.generator = torch.Generator().manual_seed(seed)
         return dataloader
 
-    def on_train_end(self) -> None:
+    def finish_training(self) -> None:
+        """Leave the finished (consensus) model in every rank's module (a collective)."""
         self._finalize_algorithm()
+
+    def on_train_end(self) -> None:
+        self.finish_training()
+        warn_if_not_finite(self.lightning_module, type(self).__name__, self.global_rank)
 
     def on_exception(self, exception: BaseException) -> None:
         board = self._failures

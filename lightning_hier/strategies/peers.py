@@ -21,6 +21,12 @@ device and sets what gloo needs:
   callbacks run in a different order on different ranks, which gloo aborts on ("collective
   mismatch"). Without NCCL the model goes into one bucket (``bucket_cap_mb`` sized to it).
 - Only fp16 is offered: torch's ``bf16_compress_hook`` refuses gloo.
+
+One addition to torch's behaviour: post-local SGD leaves the replicas apart for up to
+``model_averaging_period - 1`` steps, so at the end of fit they are averaged once more (right
+after the last optimizer step, like the averaging strategies of this package). User
+``on_train_end`` hooks, checkpoints after fit and the model ``fit()`` returns are then one model,
+the same on every rank.
 """
 
 from __future__ import annotations
@@ -33,16 +39,22 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, post_localSGD_hook, powerSGD_hook
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_hier import _validate as v
+from lightning_hier.comm import all_reduce_mean_
+from lightning_hier.strategies import _finish
 from lightning_hier.strategies._base import BACKENDS, DEFAULT_TIMEOUT_S, _check_timeout
+from lightning_hier.strategies._finite import FiniteChecks
 from lightning_hier.strategies._registry import register_family
 
 if TYPE_CHECKING:
     from collections.abc import Callable
+
+    import lightning.pytorch as pl
 
 HOOKS = ("post_local_sgd", "powersgd", "fp16")
 REGISTRY_NAMES = {"ddp_post_local_sgd": "post_local_sgd", "ddp_powersgd": "powersgd", "ddp_fp16": "fp16"}
@@ -56,7 +68,7 @@ MIN_WARMUP = {"post_local_sgd": 0, "powersgd": 2}
 _SET_BY_HOOK = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper")
 
 
-class DDPCommHookStrategy(DDPStrategy):
+class DDPCommHookStrategy(FiniteChecks, DDPStrategy):
     """Lightning's DDP with a torch communication hook (PostLocalSGD, PowerSGD or fp16), on any device.
 
     Args:
@@ -73,6 +85,8 @@ class DDPCommHookStrategy(DDPStrategy):
         start_method: ``'popen'`` (Lightning's default; torchrun/SLURM), ``'spawn'``, ``'fork'``
             or ``'forkserver'``.
         process_group_backend: ``None`` (gloo on CPU, NCCL on GPU), ``'gloo'``, ``'nccl'`` or ``'mpi'``.
+        check_finite: Stop the run when this rank's loss (before the gradient all-reduce) or
+            parameters are NaN/inf, naming the rank and step (as in every strategy here).
         **kwargs: Further arguments of ``DistributedDataParallel`` (e.g. ``find_unused_parameters``).
 
     Raises:
@@ -94,9 +108,11 @@ class DDPCommHookStrategy(DDPStrategy):
         timeout: float | timedelta = DEFAULT_TIMEOUT_S,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         process_group_backend: str | None = None,
+        check_finite: bool = False,
         **kwargs: Any,
     ) -> None:
         owner = type(self).__name__
+        self.check_finite = v.check_bool(owner, "check_finite", check_finite)
         self.hook = v.check_choice(owner, "hook", hook, HOOKS)
         self.model_averaging_period = _only_for(
             owner, hook, "post_local_sgd", "model_averaging_period", model_averaging_period, DEFAULT_PERIOD
@@ -171,6 +187,28 @@ class DDPCommHookStrategy(DDPStrategy):
                 start_powerSGD_iter=self.warmup_steps,
             )
         return None  # fp16: the state is the process group (None: the world)
+
+    # ------------------------------------------------------------------ end of fit (post_local_sgd)
+    def setup(self, trainer: pl.Trainer) -> None:
+        super().setup(trainer)
+        if self.hook == "post_local_sgd" and trainer.state.fn == TrainerFn.FITTING:
+            _finish.install(trainer)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        self._finished = False  # training goes on: the replicas may drift apart again
+
+    def finish_training(self) -> None:
+        """Average the post-local SGD replicas once, after the last optimizer step (a collective)."""
+        if self.hook != "post_local_sgd" or getattr(self, "_finished", False) or self.lightning_module is None:
+            return
+        with torch.no_grad():
+            all_reduce_mean_([p.data for p in self.lightning_module.parameters()], dist.group.WORLD)
+        self._finished = True
+
+    def on_train_end(self) -> None:
+        self.finish_training()  # a no-op unless a stop came that FinishFit did not predict
+        super().on_train_end()
 
 
 _HOOK_FUNCTIONS: dict[str, Callable[..., torch.futures.Future[torch.Tensor]]] = {
