@@ -29,7 +29,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
 import lightning_hier  # noqa: F401  registers the strategy names in every process
-from lightning_hier.callbacks import ThroughputMonitor
+from lightning_hier.callbacks import SampleThroughput
 from lightning_hier.models import Classifier
 
 
@@ -114,7 +114,7 @@ def build_trainer(cfg: DictConfig, strategy: Any, output_dir: str, **overrides: 
         "strategy": strategy,
         "default_root_dir": output_dir,
         "logger": CSVLogger(output_dir, name="logs"),
-        "callbacks": [ThroughputMonitor()],
+        "callbacks": [SampleThroughput()],
     }
     kwargs.update(overrides)
     return instantiate(cfg.trainer, **kwargs)

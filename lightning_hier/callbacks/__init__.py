@@ -2,7 +2,7 @@
 
 from lightning_hier.callbacks.dbs import DBSCallback
 from lightning_hier.callbacks.pull import PullToCenter
+from lightning_hier.callbacks.sample_throughput import SampleThroughput
 from lightning_hier.callbacks.straggler import Straggler
-from lightning_hier.callbacks.throughput import ThroughputMonitor
 
-__all__ = ["DBSCallback", "PullToCenter", "Straggler", "ThroughputMonitor"]
+__all__ = ["DBSCallback", "PullToCenter", "SampleThroughput", "Straggler"]

@@ -17,10 +17,10 @@ Plain-torch use (any training loop)::
 from lightning_hier.layers.collectives import (
     all_reduce_sum,
     copy_to_model,
+    even_shard_sizes,
     gather_along,
     halo_exchange,
     shard_range,
-    shard_sizes,
     split_along,
 )
 from lightning_hier.layers.context import GridCommStats, GridContext, ParamKind
@@ -52,6 +52,7 @@ __all__ = [
     "all_reduce_sum",
     "classify",
     "copy_to_model",
+    "even_shard_sizes",
     "full_state_dict",
     "gather_along",
     "halo_exchange",
@@ -59,7 +60,6 @@ __all__ = [
     "load_full_state_dict",
     "parameter_kinds",
     "shard_range",
-    "shard_sizes",
     "split_along",
     "to_grid",
     "to_ordinary",

@@ -31,15 +31,15 @@ from lightning_hier.comm import all_reduce_sum_, payload_bytes
 from lightning_hier.layers.context import GridCommStats, GridContext
 
 
-def shard_sizes(n: int, parts: int) -> list[int]:
+def even_shard_sizes(n: int, parts: int) -> list[int]:
     """Sizes of ``parts`` nearly equal shards of ``n`` (the first ``n % parts`` one larger)."""
     base, extra = divmod(n, parts)
     return [base + (1 if i < extra else 0) for i in range(parts)]
 
 
 def shard_range(n: int, parts: int, index: int) -> tuple[int, int]:
-    """``[start, stop)`` of shard ``index`` of :func:`shard_sizes`."""
-    sizes = shard_sizes(n, parts)
+    """``[start, stop)`` of shard ``index`` of :func:`even_shard_sizes`."""
+    sizes = even_shard_sizes(n, parts)
     start = sum(sizes[:index])
     return start, start + sizes[index]
 

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_hier.layers.collectives import copy_to_model, gather_along, shard_range, shard_sizes
+from lightning_hier.layers.collectives import copy_to_model, even_shard_sizes, gather_along, shard_range
 from lightning_hier.layers.context import GridContext, ParamKind
 
 
@@ -55,7 +55,7 @@ class GridLinear(nn.Module):
                 f"(every rank needs at least one row); keep this layer replicated."
             )
         self.in_features, self.out_features, self.grid = in_features, out_features, grid
-        self.sizes = shard_sizes(out_features, grid.pr)
+        self.sizes = even_shard_sizes(out_features, grid.pr)
         rows = self.sizes[grid.r]
         self.weight = nn.Parameter(torch.empty(rows, in_features, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(rows, device=device, dtype=dtype)) if bias else None

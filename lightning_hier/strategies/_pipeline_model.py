@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from lightning_hier.algorithms.decoupled import check_split, stage_ranges
+from lightning_hier.algorithms.decoupled import check_split_points, stage_ranges
 from lightning_hier.comm import broadcast_, gather_objects
 from lightning_hier.comm.collectives import Group
 from lightning_hier.strategies._checkpoint import detach_state
@@ -115,7 +115,7 @@ class CutModel:
 def cut(module: nn.Module, attr: str, split: Sequence[int], num_stages: int, stage_index: int) -> CutModel:
     """Keep stage ``stage_index``'s blocks in ``module``; move the others to meta behind placeholders."""
     blocks = resolve_blocks(module, attr)
-    points = check_split(split, len(blocks), num_stages)
+    points = check_split_points(split, len(blocks), num_stages)
     result = CutModel(module, attr, points, stage_index, list(module.state_dict().keys()))
     for stage, indices in enumerate(result.ranges):
         if stage == stage_index:

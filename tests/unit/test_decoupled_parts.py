@@ -12,7 +12,7 @@ from lightning_hier.algorithms.decoupled import (
     Schedule,
     StageRunner,
     balanced_split,
-    check_split,
+    check_split_points,
     measure_block_costs,
     stage_ranges,
 )
@@ -45,7 +45,7 @@ def test_balanced_split_minimises_the_slowest_stage(seed, stages):
     g = torch.Generator().manual_seed(seed)
     costs = (torch.rand(7, generator=g) * 10).tolist()
     split = balanced_split(costs, stages)
-    check_split(split, len(costs), stages)
+    check_split_points(split, len(costs), stages)
     worst = max(sum(costs[i] for i in r) for r in stage_ranges(split, len(costs)))
     assert worst == pytest.approx(_brute_force(costs, stages)[0])
 
@@ -67,7 +67,7 @@ def test_balanced_split_follows_the_cost_not_the_count():
 )
 def test_bad_splits_are_rejected(split, blocks, stages, match):
     with pytest.raises(ValueError, match=match):
-        check_split(split, blocks, stages)
+        check_split_points(split, blocks, stages)
 
 
 def test_measuring_block_costs_changes_nothing():

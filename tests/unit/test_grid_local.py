@@ -18,11 +18,11 @@ from lightning_hier.layers import (
     Role,
     SlabPool2d,
     classify,
+    even_shard_sizes,
     full_state_dict,
     is_grid_model,
     load_full_state_dict,
     parameter_kinds,
-    shard_sizes,
     to_grid,
     to_ordinary,
 )
@@ -73,7 +73,7 @@ def test_roles_and_parameter_kinds():
 
 def test_shards_have_tensor_split_sizes():
     for n, p in [(10, 4), (8, 4), (5, 5), (1000, 64)]:
-        assert shard_sizes(n, p) == [len(t) for t in torch.arange(n).tensor_split(p)]
+        assert even_shard_sizes(n, p) == [len(t) for t in torch.arange(n).tensor_split(p)]
 
 
 def test_halo_rows_of_supported_convolutions():

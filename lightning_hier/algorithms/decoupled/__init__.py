@@ -20,7 +20,7 @@ over its data-parallel group ``{d * K + k}``. Pure torch; usable from a plain tr
 from lightning_hier.algorithms.decoupled.engine import DecoupledPipeline, IterationReport
 from lightning_hier.algorithms.decoupled.partition import (
     balanced_split,
-    check_split,
+    check_split_points,
     check_stage_count,
     measure_block_costs,
     stage_ranges,
@@ -37,7 +37,7 @@ __all__ = [
     "Schedule",
     "StageRunner",
     "balanced_split",
-    "check_split",
+    "check_split_points",
     "check_stage_count",
     "measure_block_costs",
     "stage_ranges",

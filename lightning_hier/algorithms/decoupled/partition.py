@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 
-def check_split(split: Sequence[int], num_blocks: int, num_stages: int) -> tuple[int, ...]:
+def check_split_points(split: Sequence[int], num_blocks: int, num_stages: int) -> tuple[int, ...]:
     """Validate ``split`` for ``num_blocks`` blocks and ``num_stages`` stages.
 
     Raises:

@@ -18,12 +18,16 @@ def _batch_size(batch: Any) -> int:
     return 0
 
 
-class ThroughputMonitor(Callback):
+class SampleThroughput(Callback):
     """Logs ``throughput/samples_per_s`` (whole fit so far), ``time/epoch_s`` and ``progress/epochs``.
 
     Samples are counted on every rank and summed over the data-parallel replicas (ranks of one
     replica, e.g. pipeline stages, see the same samples and count once). Validation time is
     excluded from both numbers.
+
+    Not Lightning's ``lightning.pytorch.callbacks.ThroughputMonitor`` (per-device rates and FLOPs
+    from a user-supplied batch-size function): this one needs no arguments and reports the whole
+    job's training rate, which is what the run summary and the sweep table compare.
     """
 
     def __init__(self) -> None:
