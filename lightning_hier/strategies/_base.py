@@ -41,7 +41,7 @@ from lightning.fabric.utilities.optimizer import _optimizer_to_device, _optimize
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
-from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
@@ -54,6 +54,7 @@ from lightning_hier.comm.failures import is_communication_error
 from lightning_hier.rng import capture_rng, restore_rng
 from lightning_hier.strategies import _checkpoint as ckpt
 from lightning_hier.strategies._finite import FiniteChecks, warn_if_not_finite
+from lightning_hier.strategies._launchers import _ReportingLauncher
 from lightning_hier.strategies._registry import register_family
 from lightning_hier.topology import ProcessGroups, Topology
 
@@ -476,22 +477,6 @@ class HierStrategy(FiniteChecks, ParallelStrategy):
         """Register ``name`` (popen), ``name_spawn`` and ``name_fork`` with fixed arguments."""
         doc = (cls.__doc__ or cls.__name__).strip().splitlines()[0]
         register_family(registry, cls, name, doc, **init_params)
-
-
-class _ReportingLauncher(_MultiProcessingLauncher):
-    """Lightning's spawn/fork launcher, plus failure handling inside each child.
-
-    Lightning calls ``strategy.on_exception`` only in the parent process; a child rank that
-    raises (or whose collective times out) would die without reporting, so its peers could not
-    name it. This wrapper runs the strategy's handler in the child before the error propagates.
-    """
-
-    def _wrapping_function(self, *args: Any, **kwargs: Any) -> None:
-        try:
-            super()._wrapping_function(*args, **kwargs)
-        except BaseException as exc:
-            self._strategy.on_exception(exc)
-            raise
 
 
 def _check_timeout(owner: str, name: str, value: float | timedelta) -> timedelta:
