@@ -215,7 +215,8 @@ class CIFAR10DataModule(ArrayDataModule):
         cache_dir: Where decoded arrays are cached (default ``~/.cache/lightning_hier``).
         train_size: Use only ``train_size`` training images (quick experiments): a fixed random
             subset (seed 0), identical in every process and run, with every class represented.
-        download: Download the python batches through torchvision (needs the 'vision' extra).
+        download: Download the python batches through torchvision (optional, not installed with
+            the package: see :mod:`lightning_hier.data.download`).
         augment: Random crop (padding 4) and flip of training batches (default on).
         **kwargs: See :class:`~lightning_hier.data.datamodule.ArrayDataModule`.
     """

@@ -113,7 +113,8 @@ class MNISTDataModule(ArrayDataModule):
             or ``'auto'`` (standard when the training files exist).
         val_size: Validation samples of the ``'test'`` split.
         seed: Seed of the ``'test'`` split.
-        download: Download through torchvision (needs the 'vision' extra) when files are missing.
+        download: Download through torchvision when files are missing (torchvision is optional: see
+            :mod:`lightning_hier.data.download`).
         **kwargs: See :class:`~lightning_hier.data.datamodule.ArrayDataModule`.
     """
 

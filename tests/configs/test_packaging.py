@@ -63,3 +63,13 @@ def test_every_subpackage_is_listed_for_packaging():
         if "__pycache__" not in p.parts
     }
     assert found - listed == set(), "add these to [tool.setuptools] packages in pyproject.toml"
+
+
+def test_no_extra_installs_torchvision():
+    # from the default index torchvision pins a CUDA torch and replaces the installed one
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert {"cli", "tensorboard", "dev"} <= set(extras)
+    offenders = {name: reqs for name, reqs in extras.items() if any("torchvision" in r for r in reqs)}
+    assert not offenders
