@@ -8,29 +8,39 @@ short summary. Examples::
     python -m lightning_hier.train experiment=cifar10_resnet20 data.root=/data/cifar10
 
 Config groups (``conf/``): ``strategy`` (registry names, plus Lightning's ``ddp`` baseline),
-``model``, ``data``, ``trainer`` and ``experiment`` (presets that set several groups).
-Only this module, ``conf/`` and ``recipes/`` know Hydra; everything else is plain Python.
+``model``, ``data``, ``trainer``, ``logger`` (``csv``, ``tensorboard``, ``none``; several as
+``logger=[csv,tensorboard]``), ``callbacks`` (``default``, ``none``, or a list of single
+callbacks) and ``experiment`` (presets that set several groups).
+
+Every run writes its summary into its output directory (``summary.json``, ``summary.txt`` and
+``train.log``); a multirun ends with a table of its jobs, printed and saved in the sweep
+directory (:mod:`lightning_hier.summary`). Only this module, ``conf/`` and ``recipes/`` know
+Hydra; everything else is plain Python.
 """
 
 from __future__ import annotations
 
+import logging
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import hydra
 import lightning.pytorch as pl
 from hydra.core.hydra_config import HydraConfig
+from hydra.experimental.callback import Callback as HydraCallback
 from hydra.types import RunMode
 from hydra.utils import instantiate
-from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
 import lightning_hier  # noqa: F401  registers the strategy names in every process
-from lightning_hier.callbacks import SampleThroughput
 from lightning_hier.models import Classifier
+from lightning_hier.summary import Summary, write_sweep_table
+
+log = logging.getLogger("lightning_hier.train")  # not "__main__" under python -m
 
 
 def conf_dir() -> Path:
@@ -51,40 +61,6 @@ def resolve_start_method(value: str, multirun: bool) -> str:
     if value != "auto":
         return value
     return "fork" if multirun else "popen"
-
-
-@dataclass
-class Summary:
-    """What a run prints at the end."""
-
-    strategy: str
-    world_size: int
-    num_nodes: int
-    epochs: int
-    val_acc: float | None
-    samples_per_s: float | None
-    seconds: float
-    output_dir: str
-
-    def format(self) -> str:
-        acc = "n/a" if self.val_acc is None else f"{self.val_acc:.4f}"
-        sps = "n/a" if self.samples_per_s is None else f"{self.samples_per_s:,.0f}"
-        rows = [
-            ("strategy", self.strategy),
-            (
-                "world size",
-                f"{self.world_size} ({self.num_nodes} node(s) x {self.world_size // self.num_nodes} processes)",
-            ),
-            ("epochs", str(self.epochs)),
-            ("val accuracy", acc),
-            ("samples/s", f"{sps} (training only, all replicas)"),
-            ("time", f"{self.seconds:.1f} s (fit, including start-up)"),
-            ("output dir", self.output_dir),
-        ]
-        width = max(len(k) for k, _ in rows)
-        lines = [f"  {k:<{width}}  {v}" for k, v in rows]
-        bar = "-" * max(len(line) for line in lines)
-        return "\n".join([bar, "  lightning-hier run summary", bar, *lines, bar])
 
 
 def _metric(trainer: pl.Trainer, key: str) -> float | None:
@@ -108,14 +84,42 @@ def build_module(cfg: DictConfig, datamodule: Any) -> Classifier:
     return Classifier(net, datamodule.num_classes, **optim)
 
 
+def build_loggers(cfg: DictConfig, output_dir: str) -> list[Logger]:
+    """The loggers of the ``logger`` group; a ``save_dir`` left null is the run's output directory."""
+    group = cfg.get("logger")
+    loggers: list[Logger] = []
+    for logger_cfg in (group or {}).values():
+        if logger_cfg is None or "_target_" not in logger_cfg:
+            continue  # ``logger.csv=null`` removes one logger of a list
+        kwargs = {"save_dir": output_dir} if logger_cfg.get("save_dir") is None else {}
+        loggers.append(instantiate(logger_cfg, **kwargs))
+    return loggers
+
+
+def build_callbacks(cfg: DictConfig) -> list[Callback]:
+    """The callbacks of the ``callbacks`` group.
+
+    ``trainer.enable_checkpointing=false`` wins over the group: its ``ModelCheckpoint`` is left
+    out (Lightning would refuse the combination).
+    """
+    group = cfg.get("callbacks")
+    callbacks = [instantiate(c) for c in (group or {}).values() if c is not None and "_target_" in c]
+    if not cfg.trainer.get("enable_checkpointing", True):
+        callbacks = [c for c in callbacks if not isinstance(c, ModelCheckpoint)]
+    return callbacks
+
+
 def build_trainer(cfg: DictConfig, strategy: Any, output_dir: str, **overrides: Any) -> pl.Trainer:
-    """The Trainer of ``cfg.trainer`` writing logs and checkpoints under ``output_dir``."""
-    kwargs: dict[str, Any] = {
-        "strategy": strategy,
-        "default_root_dir": output_dir,
-        "logger": CSVLogger(output_dir, name="logs"),
-        "callbacks": [SampleThroughput()],
-    }
+    """The Trainer of ``cfg.trainer`` writing logs and checkpoints under ``output_dir``.
+
+    Loggers and callbacks come from the ``logger`` and ``callbacks`` groups, unless the trainer
+    config sets them itself (``+trainer.logger=false``) or ``overrides`` does.
+    """
+    kwargs: dict[str, Any] = {"strategy": strategy, "default_root_dir": output_dir}
+    if "logger" not in cfg.trainer:
+        kwargs["logger"] = build_loggers(cfg, output_dir) or False
+    if "callbacks" not in cfg.trainer:
+        kwargs["callbacks"] = build_callbacks(cfg)
     kwargs.update(overrides)
     return instantiate(cfg.trainer, **kwargs)
 
@@ -130,7 +134,8 @@ def run(cfg: DictConfig, output_dir: str, multirun: bool = False) -> Summary:
     trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
     if cfg.get("test_after_fit"):
         trainer.test(module, datamodule=datamodule)
-    choices = HydraConfig.get().runtime.choices if HydraConfig.initialized() else {}
+    hydra_cfg = HydraConfig.get() if HydraConfig.initialized() else None
+    choices = hydra_cfg.runtime.choices if hydra_cfg is not None else {}
     return Summary(
         strategy=str(choices.get("strategy", cfg.strategy.get("_target_", "?").rsplit(".", 1)[-1])),
         world_size=trainer.world_size,
@@ -140,7 +145,22 @@ def run(cfg: DictConfig, output_dir: str, multirun: bool = False) -> Summary:
         samples_per_s=_metric(trainer, "throughput/samples_per_s"),
         seconds=time.perf_counter() - start,
         output_dir=output_dir,
+        overrides=list(hydra_cfg.overrides.task) if hydra_cfg is not None else [],
     )
+
+
+class SweepSummary(HydraCallback):
+    """Hydra callback (``hydra.callbacks`` in ``conf/train.yaml``): the table of a finished multirun.
+
+    Prints the table of every job (:func:`lightning_hier.summary.sweep_table`) and saves it as
+    ``summary.md`` and ``summary.csv`` in the sweep directory.
+    """
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        sweep_dir = Path(config.hydra.sweep.dir)
+        table = write_sweep_table(sweep_dir)
+        if table is not None:
+            print(f"\nlightning-hier sweep summary ({sweep_dir / 'summary.md'})\n{table.markdown()}", flush=True)
 
 
 @hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name="train")
@@ -149,7 +169,9 @@ def main(cfg: DictConfig) -> Any:
     hc = HydraConfig.get()
     summary = run(cfg, hc.runtime.output_dir, multirun=hc.mode == RunMode.MULTIRUN)
     if rank_zero_only.rank == 0:  # type: ignore[attr-defined]  # popen children re-run main(); only rank 0 reports
-        print(summary.format(), flush=True)
+        summary.write(hc.runtime.output_dir)
+        # Hydra's job logging sends this to the console and to <output dir>/train.log
+        log.info("run summary\n%s", summary.format())
     return summary.val_acc
 
 

@@ -1,5 +1,6 @@
 """The Hydra entry point as a user runs it: a subprocess, single run (popen ranks) and a multirun."""
 
+import json
 import re
 import subprocess
 import sys
@@ -34,6 +35,24 @@ def test_default_run_trains_digits_on_two_processes(tmp_path):
     run = tmp_path / "run"
     assert (run / "train.log").is_file() and (run / "train_ddp_process_1.log").is_file()
     assert (run / "logs" / "version_0" / "metrics.csv").is_file()
+    # the summary also lands in the run directory: for programs, for people, and in Hydra's log
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["strategy"] == "hpsgd" and summary["epochs"] == 10 and summary["val_acc"] >= 0.90
+    assert "lightning-hier run summary" in (run / "summary.txt").read_text()
+    assert "lightning-hier run summary" in (run / "train.log").read_text()
+
+    # resume from the Hydra command line: the checkpoint names need no quoting
+    last = run / "logs" / "version_0" / "checkpoints" / "last.ckpt"
+    assert last.is_file()
+    resumed = _train(
+        f"ckpt_path={last}",
+        "trainer.max_epochs=11",
+        "trainer.enable_progress_bar=false",
+        f"hydra.run.dir={tmp_path}/resumed",
+        cwd=tmp_path,
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert _summary_value(resumed.stdout, "epochs") == "11"
 
 
 def test_multirun_sweep_runs_each_job_in_its_own_directory(tmp_path):
@@ -51,6 +70,16 @@ def test_multirun_sweep_runs_each_job_in_its_own_directory(tmp_path):
     assert jobs == ["0_ddp", "1_localsgd"]
     for job in jobs:
         assert (tmp_path / "sweep" / job / "logs" / "version_0" / "metrics.csv").is_file()
+        assert (tmp_path / "sweep" / job / "summary.json").is_file()
+    # the sweep ends with a table of its jobs, printed and saved
+    table = (tmp_path / "sweep" / "summary.md").read_text()
+    assert table in proc.stdout
+    # (Hydra writes a sweep job's booleans capitalised)
+    assert "common overrides: `trainer.max_epochs=1` `trainer.enable_progress_bar=false`" in table.lower()
+    rows = [line.split(" | ") for line in table.splitlines() if re.match(r"\| \d", line)]
+    assert [(r[0], r[1]) for r in rows] == [("| 0", "ddp"), ("| 1", "localsgd")]
+    assert all(0.0 <= float(r[3]) <= 1.0 and float(r[4]) > 0 and float(r[5]) > 0 for r in rows)
+    assert (tmp_path / "sweep" / "summary.csv").read_text().startswith("job,strategy,arguments,val acc")
 
 
 def test_bad_strategy_argument_fails_before_training(tmp_path):

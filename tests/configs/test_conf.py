@@ -7,13 +7,16 @@ import pytest
 import yaml
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
+from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_hier import DDPCommHookStrategy, HierStrategy
+from lightning_hier.callbacks import SampleThroughput, Straggler
 from lightning_hier.train import build_module, build_strategy, build_trainer, conf_dir, resolve_start_method
 
 CONF = conf_dir()
-GROUPS = ["strategy", "model", "data", "trainer", "experiment"]
+GROUPS = ["strategy", "model", "data", "trainer", "logger", "callbacks", "experiment"]
 LIGHTNING_PLUMBING = {"accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin"}
 
 
@@ -109,3 +112,51 @@ def test_start_method_resolution():
 
 def test_conf_dir_is_the_repository_conf_in_a_checkout():
     assert Path(__file__).resolve().parents[2] / "conf" == CONF
+
+
+# ---------------------------------------------------------------- logger and callbacks groups
+def _built(tmp_path, *overrides: str):
+    cfg = compose_cfg(*overrides)
+    return build_trainer(cfg, build_strategy(cfg), str(tmp_path))
+
+
+def test_default_run_logs_csv_into_the_output_dir_with_throughput_and_checkpoints(tmp_path):
+    t = _built(tmp_path)
+    assert [type(lg) for lg in t.loggers] == [CSVLogger]
+    assert t.loggers[0].log_dir == str(tmp_path / "logs" / "version_0")
+    kinds = {type(cb) for cb in t.callbacks}
+    assert {SampleThroughput, ModelCheckpoint} <= kinds
+    checkpoint = next(cb for cb in t.callbacks if isinstance(cb, ModelCheckpoint))
+    assert "=" not in checkpoint.filename and checkpoint.save_last == "link"  # Hydra-friendly ckpt_path
+
+
+@pytest.mark.parametrize("override", ["logger=none", "~logger", "+trainer.logger=false"])
+def test_every_way_of_turning_the_logger_off(override, tmp_path):
+    assert _built(tmp_path, override).loggers == []
+
+
+def test_tensorboard_logger_alone_and_with_csv(tmp_path):
+    pytest.importorskip("tensorboard")
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    assert [type(lg) for lg in _built(tmp_path / "a", "logger=tensorboard").loggers] == [TensorBoardLogger]
+    both = _built(tmp_path / "b", "logger=[csv,tensorboard]").loggers
+    assert [type(lg) for lg in both] == [CSVLogger, TensorBoardLogger]
+    assert both[1].log_dir == str(tmp_path / "b" / "tensorboard" / "version_0")
+
+
+def test_callbacks_group_lists_and_none(tmp_path):
+    picked = {type(cb) for cb in _built(tmp_path, "callbacks=[default,early_stopping,straggler]").callbacks}
+    assert {SampleThroughput, ModelCheckpoint, EarlyStopping, Straggler} <= picked
+    assert not {SampleThroughput, EarlyStopping} & {type(cb) for cb in _built(tmp_path, "callbacks=none").callbacks}
+
+
+def test_disabled_checkpointing_drops_the_groups_model_checkpoint(tmp_path):
+    t = _built(tmp_path, "trainer.enable_checkpointing=false")
+    assert not any(isinstance(cb, ModelCheckpoint) for cb in t.callbacks)
+
+
+def test_explicit_trainer_arguments_win_over_the_groups(tmp_path):
+    cfg = compose_cfg()
+    t = build_trainer(cfg, build_strategy(cfg), str(tmp_path), logger=False, callbacks=[])
+    assert t.loggers == [] and not any(isinstance(cb, SampleThroughput) for cb in t.callbacks)
