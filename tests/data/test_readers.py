@@ -160,7 +160,9 @@ def test_download_without_torchvision_is_a_clear_error(tmp_path, monkeypatch):
         return real_import(name, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "__import__", no_torchvision)
-    with pytest.raises(DatasetNotFoundError, match=r"needs torchvision, .*--index-url https://download.pytorch.org/whl/cpu"):
+    with pytest.raises(
+        DatasetNotFoundError, match=r"needs torchvision, .*--index-url https://download.pytorch.org/whl/cpu"
+    ):
         MNISTDataModule(root=str(tmp_path), download=True).prepare_data()
 
 
