@@ -1,0 +1,64 @@
+"""LightningCLI (the ``cli`` extra): a strategy and its arguments from flags and from a YAML file."""
+
+import pytest
+import torch
+
+pytest.importorskip("jsonargparse")
+pytest.importorskip("docstring_parser")  # jsonargparse[signatures]: LightningCLI refuses to start without it
+
+from lightning_hier import HPSGDStrategy, LocalSGDStrategy
+from lightning_hier.cli import NetworkClassifier, main
+from lightning_hier.data import DigitsDataModule, SyntheticDataModule
+
+QUIET = ["--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false", "--trainer.logger=false"]
+
+# The YAML of lightning_hier/cli.py's docstring (what the README shows), one epoch.
+CONFIG = """
+trainer:
+  accelerator: cpu
+  devices: 2
+  max_epochs: 1
+  strategy:
+    class_path: lightning_hier.HPSGDStrategy
+    init_args: {window: 4, merge: eager, start_method: fork}
+model:
+  network: mlp
+  lr: 0.05
+data:
+  class_path: lightning_hier.data.DigitsDataModule
+  init_args: {batch_size: 32}
+"""
+
+
+def test_strategy_class_and_arguments_from_a_yaml_file_fit(tmp_path):
+    path = tmp_path / "hpsgd.yaml"
+    path.write_text(CONFIG)
+    cli = main(["fit", "--config", str(path), f"--trainer.default_root_dir={tmp_path}", *QUIET])
+    strategy = cli.trainer.strategy
+    assert isinstance(strategy, HPSGDStrategy) and strategy.window == 4
+    assert isinstance(cli.datamodule, DigitsDataModule) and cli.datamodule.batch_size == 32
+    metrics = cli.trainer.callback_metrics  # returned by the fork launcher (the loop counters are not)
+    assert float(metrics["hpsgd/window"]) == 4 and float(metrics["val/acc"]) > 0.5
+
+
+def test_short_class_name_with_flags_and_a_registered_name(tmp_path):
+    flags = ["--trainer.strategy=HPSGDStrategy", "--trainer.strategy.window=3", "--trainer.strategy.merge=paper"]
+    cli = main([*flags, f"--trainer.default_root_dir={tmp_path}", *QUIET], run=False)
+    assert isinstance(cli.trainer.strategy, HPSGDStrategy)
+    assert (cli.trainer.strategy.window, cli.trainer.strategy.merge) == (3, "paper")
+    assert isinstance(cli.model, NetworkClassifier)  # default data: digits, its shape linked into the model
+
+    named = main(["--trainer.strategy=localsgd_fork", f"--trainer.default_root_dir={tmp_path}", *QUIET], run=False)
+    assert isinstance(named.trainer.strategy, LocalSGDStrategy)
+
+
+def test_model_shape_follows_the_datamodule(tmp_path):
+    args = [
+        "--data=SyntheticDataModule",
+        "--data.input_shape=[3,8,8]",
+        "--data.num_classes=4",
+        "--model.network=small_cnn",
+    ]
+    cli = main([*args, f"--trainer.default_root_dir={tmp_path}", *QUIET], run=False)
+    assert isinstance(cli.datamodule, SyntheticDataModule)
+    assert cli.model.net(torch.zeros(2, 3, 8, 8)).shape == (2, 4)
