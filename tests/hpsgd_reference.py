@@ -1,6 +1,6 @@
 """An independent single-process reference of HPSGD: W workers simulated in one process.
 
-Written from the recurrence (ALGORITHMS.md section 1), not from lightning_hier's classes: every
+Written from the recurrence (docs/algorithms.md, section 1), not from lightning_hier's classes: every
 worker keeps its own module, optimizer and window start V; the global model advances by the mean
 of the *previous* window's changes, theta_r = theta_{r-1} + mean_w Delta_{r-1}^w (or by a
 Nesterov outer step on that mean, written as torch.optim.SGD's formula), and the replicas restart

@@ -1,4 +1,4 @@
-"""Callbacks: throughput and communication monitors (and the design card's algorithm callbacks)."""
+"""Callbacks: the averaging schedule (PullToCenter), monitors (SampleThroughput, DBSCallback) and Straggler."""
 
 from lightning_hier.callbacks.dbs import DBSCallback
 from lightning_hier.callbacks.pull import PullToCenter

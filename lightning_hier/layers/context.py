@@ -21,7 +21,7 @@ Group = dist.ProcessGroup | None
 
 
 class ParamKind(str, Enum):
-    """How a parameter's gradient is reduced (ALGORITHMS.md section 5, "gradient reduction rules").
+    """How a parameter's gradient is reduced (docs/algorithms.md, section 5, "gradient reduction rules").
 
     - ``SHARDED``: a distinct piece on every r (grid Linear rows), replicated over c: mean over BATCH.
     - ``REPLICATED``: identical on every rank and computed identically on every r (after an

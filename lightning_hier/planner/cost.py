@@ -1,7 +1,7 @@
 """The alpha-beta communication model of the Pr x Pc grid, per layer and for a network.
 
 Gholami, Azad, Jin, Keutzer, Buluc, "Integrated Model, Batch and Domain Parallelism in Training
-Neural Networks", SPAA 2018, arXiv 1712.04432, section 4 (the model) and ALGORITHMS.md
+Neural Networks", SPAA 2018, arXiv 1712.04432, section 4 (the model) and docs/algorithms.md
 section 5 (the counting conventions). With ``n`` the size of the full result and ``b = B / Pc``::
 
     all_gather(n, p) = alpha * ceil(lg p) + beta * (p - 1) / p * n      all_reduce = 2x that
@@ -52,7 +52,7 @@ class Link:
 
 
 REFERENCE_LINK = Link(alpha=2e-6, beta=4 / 10e9)
-"""ALGORITHMS.md's reference: 2 us per message, 10 GB/s for 4-byte words."""
+"""The reference of docs/algorithms.md, section 5: 2 us per message, 10 GB/s for 4-byte words."""
 
 
 @dataclass(frozen=True)

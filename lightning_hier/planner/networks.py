@@ -21,7 +21,7 @@ from lightning_hier.planner.cost import (
     UnsupportedLayer,
 )
 
-# ALGORITHMS.md section 5: (C_in, H_in = W_in, C_out, kernel, stride)
+# docs/algorithms.md, section 5: (C_in, H_in = W_in, C_out, kernel, stride)
 ALEXNET_CONVS = [
     (3, 227, 96, 11, 4),
     (96, 27, 256, 5, 1),
@@ -57,7 +57,7 @@ def _fcs(fcs: Sequence[tuple[int, int]], first: int, prefix: str) -> list[Layer]
 
 
 def alexnet_layers(fc_only: bool = False) -> list[Layer]:
-    """AlexNet (single tower) as in ALGORITHMS.md: 5 convolutions (pooling ignored) and fc6-fc8.
+    """AlexNet (single tower) as in docs/algorithms.md (section 5): 5 convolutions (pooling ignored) and fc6-fc8.
 
     With ``fc_only`` just fc6-fc8; evaluate them with ``first_input_grad=True`` (fc6 keeps its dX
     term, as inside the whole network).

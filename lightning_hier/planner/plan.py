@@ -95,7 +95,7 @@ def plan_grids(
         links: Alpha and beta: one for all groups, one per group, or a function of ``(pr, pc)``
             giving one per group (e.g. :func:`~lightning_hier.planner.measure_links`).
         batch_scope: See ``batch_size``.
-        max_model: Largest Pr to allow (ALGORITHMS.md restricts whole networks to Pr <= 8).
+        max_model: Largest Pr to allow (docs/algorithms.md, section 5, restricts whole networks to Pr <= 8).
         memory_limit_bytes: Reject grids whose :func:`memory_bytes` estimate exceeds this.
         first_input_grad: The first layer's input needs a gradient (a slice of a network, such
             as AlexNet's FC layers evaluated alone).

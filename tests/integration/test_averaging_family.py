@@ -1,7 +1,7 @@
 """EASGD, LSGD and GRAWA under a real Trainer: single-process references, consensus, cadence, accuracy.
 
 The references below simulate every replica in one process with plain torch, from the papers'
-formulas (see ALGORITHMS.md section 4), independently of the classes under test.
+formulas (see docs/algorithms.md, section 4), independently of the classes under test.
 """
 
 import csv

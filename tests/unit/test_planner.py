@@ -1,4 +1,4 @@
-"""The cost model against the paper's formulas and ALGORITHMS.md's reference values; grid constraints."""
+"""The cost model against the paper's formulas and the reference values of docs/algorithms.md; grid constraints."""
 
 from math import ceil, log2
 

@@ -11,7 +11,7 @@ def test_data_parallel_layout_is_the_world():
 
 
 def test_pipeline_layout_places_stages_of_a_replica_on_consecutive_ranks():
-    # rank(d, k) = d * K + k (ALGORITHMS.md section 3)
+    # rank(d, k) = d * K + k (docs/algorithms.md, section 3)
     topo = Topology(world_size=4, pipe=2)
     assert [topo.coords(r) for r in range(4)] == [
         topo.coords(topo.rank_of(data=d, pipe=k)) for d in range(2) for k in range(2)
@@ -22,7 +22,7 @@ def test_pipeline_layout_places_stages_of_a_replica_on_consecutive_ranks():
 
 
 def test_grid_layout_is_model_major_inside_batch():
-    # rank = c * Pr + r (ALGORITHMS.md section 5): MODEL groups are consecutive ranks
+    # rank = c * Pr + r (docs/algorithms.md, section 5): MODEL groups are consecutive ranks
     topo = Topology(world_size=8, model=4)
     assert topo.data == 2
     c = topo.coords(6)
