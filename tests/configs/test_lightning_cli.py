@@ -1,4 +1,7 @@
-"""LightningCLI (the ``cli`` extra): a strategy and its arguments from flags and from a YAML file."""
+"""LightningCLI (the ``cli`` extra): a strategy and its arguments from flags and from the README's YAML."""
+
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,29 +14,21 @@ from lightning_hier.cli import NetworkClassifier, main
 from lightning_hier.data import DigitsDataModule, SyntheticDataModule
 
 QUIET = ["--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false", "--trainer.logger=false"]
-
-# The YAML of lightning_hier/cli.py's docstring (what the README shows), one epoch.
-CONFIG = """
-trainer:
-  accelerator: cpu
-  devices: 2
-  max_epochs: 1
-  strategy:
-    class_path: lightning_hier.HPSGDStrategy
-    init_args: {window: 4, merge: eager, start_method: fork}
-model:
-  network: mlp
-  lr: 0.05
-data:
-  class_path: lightning_hier.data.DigitsDataModule
-  init_args: {batch_size: 32}
-"""
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 
-def test_strategy_class_and_arguments_from_a_yaml_file_fit(tmp_path):
+def _readme_yaml() -> str:
+    """The README's LightningCLI config (the fenced block that starts with ``# hpsgd.yaml``)."""
+    match = re.search(r"```yaml\n# hpsgd\.yaml\n(.*?)```", README.read_text(), re.DOTALL)
+    assert match, "README.md lost its LightningCLI example"
+    return match.group(1)
+
+
+def test_the_readme_yaml_sets_the_strategy_class_and_arguments_and_fits(tmp_path):
     path = tmp_path / "hpsgd.yaml"
-    path.write_text(CONFIG)
-    cli = main(["fit", "--config", str(path), f"--trainer.default_root_dir={tmp_path}", *QUIET])
+    path.write_text(_readme_yaml())
+    args = ["fit", "--config", str(path), "--trainer.max_epochs=1", f"--trainer.default_root_dir={tmp_path}"]
+    cli = main([*args, *QUIET])
     strategy = cli.trainer.strategy
     assert isinstance(strategy, HPSGDStrategy) and strategy.window == 4
     assert isinstance(cli.datamodule, DigitsDataModule) and cli.datamodule.batch_size == 32
@@ -53,12 +48,8 @@ def test_short_class_name_with_flags_and_a_registered_name(tmp_path):
 
 
 def test_model_shape_follows_the_datamodule(tmp_path):
-    args = [
-        "--data=SyntheticDataModule",
-        "--data.input_shape=[3,8,8]",
-        "--data.num_classes=4",
-        "--model.network=small_cnn",
-    ]
+    args = ["--data=SyntheticDataModule", "--data.input_shape=[3,8,8]", "--data.num_classes=4"]
+    args.append("--model.network=small_cnn")
     cli = main([*args, f"--trainer.default_root_dir={tmp_path}", *QUIET], run=False)
     assert isinstance(cli.datamodule, SyntheticDataModule)
     assert cli.model.net(torch.zeros(2, 3, 8, 8)).shape == (2, 4)
