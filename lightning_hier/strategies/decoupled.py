@@ -73,6 +73,7 @@ from lightning_hier.algorithms.decoupled import (
 from lightning_hier.comm import all_reduce_mean_, broadcast_object
 from lightning_hier.strategies import _pipeline_model as pm
 from lightning_hier.strategies._base import HierStrategy
+from lightning_hier.strategies._finite import all_finite
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -245,7 +246,13 @@ class DecoupledStrategy(HierStrategy):
             beta=self.beta,
             loss_fn=getattr(module, "pipeline_loss", F.cross_entropy),
             stats=self.comm_stats,
+            check_gradients=self._check_stage_gradients if self.check_finite else None,
         )
+
+    def _check_stage_gradients(self, grads: list[Tensor]) -> None:
+        if not all_finite(grads):
+            stage = self.topology.coords(self.global_rank).pipe
+            self._raise_non_finite("gradients", f" (pipeline stage {stage})")
 
     # ------------------------------------------------------------------ one step = one iteration
     def training_step(self, *args: Any, **kwargs: Any) -> Tensor:
@@ -268,6 +275,8 @@ class DecoupledStrategy(HierStrategy):
         module = self.lightning_module
         assert module is not None
         self.precision_plugin.optimizer_step(self.optimizers[0], model=module, closure=_no_closure)
+        if self.check_finite:
+            self._check_module("parameters", lambda p: p)
 
     def _drain(self) -> list[IterationReport]:
         assert self.pipeline is not None

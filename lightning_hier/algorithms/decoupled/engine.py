@@ -84,6 +84,8 @@ class DecoupledPipeline:
             ``beta``, so stage ``k``'s gradients are scaled by ``beta ** (K - 1 - k)``.
         loss_fn: ``loss_fn(output, target) -> scalar`` on the last stage (cross-entropy by default).
         stats: Communication accounting.
+        check_gradients: Called with the stage's gradients of every update, before they are
+            averaged over the data-parallel replicas (the strategy's ``check_finite`` guard).
 
     Example (plain loop on each rank; every stage of a replica iterates the same loader)::
 
@@ -110,6 +112,7 @@ class DecoupledPipeline:
         beta: float = 1.0,
         loss_fn: LossFn | None = None,
         stats: CommStats | None = None,
+        check_gradients: Callable[[list[Tensor]], None] | None = None,
     ) -> None:
         self.schedule = Schedule(schedule, len(stage_ranks))
         if not 0 <= stage_index < len(stage_ranks):
@@ -122,6 +125,7 @@ class DecoupledPipeline:
         self.beta = beta
         self.loss_fn: LossFn = loss_fn if loss_fn is not None else F.cross_entropy
         self.stats = stats if stats is not None else CommStats()
+        self.check_gradients = check_gradients
         self.runner = StageRunner(stage, weights)
         self.mail = Mailbox(pipe_group, self.runner.device, self.stats)
         self._eval_mail: dict[bool, Mailbox] = {}
@@ -274,6 +278,8 @@ class DecoupledPipeline:
 
     def _apply(self, leaves: list[Tensor], apply: Apply) -> None:
         grads = self.runner.grads(leaves)
+        if self.check_gradients is not None:
+            self.check_gradients(grads)  # before the replicas' all-reduce could spread a NaN
         if self.data_group is not None:
             flat = self.runner.flatten(grads)
             all_reduce_mean_(flat, self.data_group, self.stats)
