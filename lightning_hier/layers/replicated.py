@@ -49,10 +49,7 @@ def replicated_leaves(module: nn.Module, called: Collection[str] | None = None, 
     for path, m in module.named_modules():
         if list(m.children()):
             continue
-        reason = _shared_reason(m, shared) or _parent_reason(module, path)
-        if not reason and called is not None and isinstance(m, _WEIGHTED) and _inside(path, scope):
-            if path not in called:
-                reason = "the traced forward never calls it (its parent reads its weights directly)"
+        reason = _shared_reason(m, shared) or _parent_reason(module, path) or _uncalled_reason(m, path, called, scope)
         if reason:
             kept[path] = reason
     return kept
@@ -72,6 +69,12 @@ def _parent_reason(module: nn.Module, path: str) -> str:
         if isinstance(parent, READS_CHILD_WEIGHTS):
             return f"its parent {type(parent).__name__} reads its weights directly"
     return ""
+
+
+def _uncalled_reason(m: nn.Module, path: str, called: Collection[str] | None, scope: str) -> str:
+    if called is None or not isinstance(m, _WEIGHTED) or not _inside(path, scope) or path in called:
+        return ""
+    return "the traced forward never calls it (its parent reads its weights directly)"
 
 
 def _inside(path: str, scope: str) -> bool:
