@@ -63,14 +63,23 @@ class Grid2DStrategy(HierStrategy):
     sharded over the BATCH group (size Pc) only: every rank of a MODEL group sees the same batch,
     so the DataLoader's ``batch_size`` is the batch of one MODEL group and the global batch is
     ``batch_size * Pc``. After backward, gradients are reduced by parameter kind (sharded and
-    replicated: mean over BATCH; slab-partial: sum over MODEL, then mean over BATCH).
+    replicated: mean over BATCH; slab-partial: sum over MODEL, then mean over BATCH). Layers that
+    must stay whole are left unconverted (replicated, exact outside the convolutional part): tied
+    parameters (an embedding tied to the output Linear), weights their parent reads directly
+    (``nn.MultiheadAttention.out_proj``, any Linear/Conv2d the traced forward never calls); see
+    :mod:`lightning_hier.layers.replicated`. ``nn.TransformerEncoderLayer`` keeps its attention whole
+    and shards its MLP.
 
     Args:
         grid: ``(Pr, Pc)`` with ``Pr * Pc`` = number of processes, or ``'auto'``: every candidate
             is costed by :func:`lightning_hier.planner.best_grid` for this model, input shape and
-            DataLoader batch size (found with ``lightning_getattr``: ``batch_size`` and
-            ``input_shape`` on the module, its hparams or the datamodule, or
-            ``example_input_array``), choosing the least communication time per sample.
+            DataLoader batch size, choosing the least communication time per sample. Both are
+            found with ``lightning_getattr`` (``batch_size`` and ``input_shape`` on the module, its
+            hparams or the datamodule, or ``example_input_array``) when the processes start;
+            otherwise in ``setup`` from the first training batch (its input: the batch itself, its
+            first element or first dict value), after which the grid's groups are built. The model
+            is traced through its ``forward``, or, for a module without one, through its network
+            (found like :class:`~lightning_hier.strategies.DecoupledStrategy`'s blocks).
         alpha: Seconds per message for ``'auto'``; ``None`` measures it on the live groups (then
             the choice may differ between runs: give both for a reproducible layout).
         beta: Seconds per word for ``'auto'``; ``None`` measures it.
