@@ -95,7 +95,8 @@ def test_sync_schedule_equals_single_process_backprop_step_by_step(devices, stag
     for o in out:
         assert len(o["params"]) == len(reference)
         for step, (got, want) in enumerate(zip(o["params"], reference, strict=True)):
-            want = want[slices[o["stage"]]]
+            # after the last step the fit is finished: every rank holds the whole model
+            want = want if step == len(reference) - 1 else want[slices[o["stage"]]]
             if replicas == 1:
                 assert torch.equal(got, want), f"stage {o['stage']} step {step}"
             else:  # the mean of two half-batch gradients rounds differently
@@ -127,7 +128,10 @@ def test_delayed_schedules_follow_the_stale_gradient_reference(devices, stages, 
         k = o["stage"]
         assert len(o["params"]) == len(iterations)
         for step, (got, iteration) in enumerate(zip(o["params"], iterations, strict=True)):
-            torch.testing.assert_close(got, history[k][iteration], atol=1e-6, rtol=1e-5, msg=f"stage {k} step {step}")
+            # after the last step the fit is finished: every rank holds the whole model (all stages)
+            last = step == len(iterations) - 1
+            want = torch.cat([h[iteration] for h in history]) if last else history[k][iteration]
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5, msg=f"stage {k} step {step}")
         steps = iter(o["reports"])
         for batches in epochs:
             reports = [r for _ in batches for r in next(steps)]
