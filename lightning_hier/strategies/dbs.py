@@ -68,9 +68,10 @@ class DBSStrategy(HierStrategy):
     default) trains on them as one smaller global batch, split by the same shares (a rank may get no
     sample: it then runs the step on a stand-in sample with gradient weight 0) and weighted so that
     this step too equals single-process SGD on those samples. That step is not used to measure
-    throughput. With ``drop_last=False`` a dataset smaller than one global batch trains one such step
-    per epoch; with ``drop_last=True`` it is an error (raised before the ranks start when ``fit``
-    gets the DataLoader itself).
+    throughput. A rank's part of it may be a single sample, which ``BatchNorm1d`` rejects in training
+    mode: keep ``drop_last=True`` for such models. With ``drop_last=False`` a dataset smaller than
+    one global batch trains one such step per epoch; with ``drop_last=True`` it is an error (raised
+    before the ranks start when ``fit`` gets the DataLoader itself).
 
     Args:
         global_batch_size: ``B``, samples per step over all ranks. ``None``: the sum of
