@@ -293,6 +293,7 @@ class DBSStrategy(HierStrategy):
 
     # ------------------------------------------------------------------ per step
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
         if self.algorithm is not None:
             self.algorithm.begin_micro_batch()
 
