@@ -86,7 +86,7 @@ class AveragingStrategy(AlgorithmStrategy[PeriodicAveraging]):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         output = super().training_step(*args, **kwargs)
         if self.algorithm is not None:
-            self._step_args = (args, kwargs)  # the probe batch of GRAWA (probe='batch')
+            self._step_args = (args, kwargs)  # GRAWA's probe: the batch (probe='batch') or batch_idx
             loss = loss_of(output)
             if loss is not None:
                 self.algorithm.observe(loss)  # LSGD elects its leader from the running loss
@@ -120,8 +120,10 @@ class AveragingStrategy(AlgorithmStrategy[PeriodicAveraging]):
         schedule.tau = v.check_int(owner, "tau", pull.tau_at(schedule.rounds, self.tau), minimum=1)
 
     def _finalize_algorithm(self) -> None:
+        if self.algorithm is not None:
+            # a partial last period gets a final round; GRAWA's probes the trained replicas for it
+            self.algorithm.finalize(self._norms())
         self._step_args = None  # the probe batch is not needed after training
-        super()._finalize_algorithm()
 
 
 def loss_of(output: Any) -> Tensor | None:
