@@ -19,13 +19,14 @@ from torchmetrics import Metric
 from lightning_hier import _validate as v
 from lightning_hier.algorithms.centers import CenterPolicy
 from lightning_hier.algorithms.grawa import DEFAULT_BETA, NORMS, VARIANTS, GradientWeightedCenter, probe_grad_norms
+from lightning_hier.strategies._probe import draw, first, fresh_batches_of, isolated_rng
 from lightning_hier.strategies.averaging import AveragingStrategy, loss_of
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
     from lightning.fabric.strategies import _StrategyRegistry
 
-PROBES = ("batch", "step")
+PROBES = ("fresh", "batch", "step")
 
 
 class GrawaStrategy(AveragingStrategy):
@@ -81,7 +82,8 @@ class GrawaStrategy(AveragingStrategy):
         eps: float = 1e-8,
         p: float = 1.0,
         norm: str = "sum",
-        probe: str = "batch",
+        probe: str = "fresh",
+        probe_seed: int = 0,
         sync_buffers: bool = True,
         bucket_size_mb: float = 25.0,
         **kwargs: Any,
@@ -94,6 +96,8 @@ class GrawaStrategy(AveragingStrategy):
         self.p = v.check_float(owner, "p", p, 0.0, 8.0, low_inclusive=False)
         self.norm = v.check_choice(owner, "norm", norm, NORMS)
         self.probe = v.check_choice(owner, "probe", probe, PROBES)
+        self.probe_seed = v.check_int(owner, "probe_seed", probe_seed, minimum=0)
+        self._fresh: Any = None  # the FreshBatches of every training DataLoader (probe='fresh')
         self._configure(tau, lam, rho, sync_buffers, bucket_size_mb)
 
     @classmethod
@@ -105,23 +109,57 @@ class GrawaStrategy(AveragingStrategy):
     def _policy(self) -> CenterPolicy:
         return GradientWeightedCenter(self.variant, self.beta, self.eps, self.p, self.norm)
 
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        module = self.lightning_module
+        if self.probe == "fresh" and module is not None:
+            # the training DataLoaders exist from here on (Lightning set them up before this hook)
+            loaders = module.trainer.train_dataloader
+            self._fresh = fresh_batches_of(loaders, self.probe_seed, self.global_rank, type(self).__name__)
+
     def _norms(self) -> Callable[[], Tensor] | None:
         if self.probe == "step" or self.algorithm is None:
             return None
         params, module = self.algorithm.flat.tensors, self.lightning_module
         assert module is not None
-        return lambda: probe_grad_norms(params, self._probe_loss, module.buffers())
+        loss = self._fresh_probe_loss if self.probe == "fresh" else self._batch_probe_loss
+        return lambda: probe_grad_norms(params, loss, module.buffers())
 
-    def _probe_loss(self) -> Tensor:
-        """The training loss of the round's last batch at the current weights, without side effects."""
-        module = self.lightning_module
-        if self._step_args is None or module is None:
+    def _batch_probe_loss(self) -> Tensor:
+        """The training loss of the round's last batch at the current weights (probe='batch')."""
+        if self._step_args is None:
             raise RuntimeError("GrawaStrategy(probe='batch'): no training batch seen yet.")
         args, kwargs = self._step_args
+        return self._training_loss(args, kwargs)
+
+    def _fresh_probe_loss(self) -> Tensor:
+        """The training loss of a batch drawn from the whole training set (probe='fresh').
+
+        The batch and every random draw of the probe (augmentation, dropout) come from the seed of
+        ``(probe_seed, rank, optimizer steps so far)``; the training RNG streams are put back after.
+        """
+        if self._fresh is None or self.algorithm is None:
+            raise RuntimeError("GrawaStrategy(probe='fresh'): the training DataLoaders are not set up yet.")
+        step = self.algorithm.schedule.steps
+        with isolated_rng(first(self._fresh).seed_for(step)):
+            batch = self.batch_to_device(draw(self._fresh, step))  # the module's transfer hooks, as in training
+            rest: tuple[Any, ...] = (0,)  # batch_idx: that of the latest training batch when there is one
+            kwargs: dict[str, Any] = {}
+            if self._step_args is not None:
+                (_, *others), kwargs = self._step_args
+                rest = tuple(others)
+            return self._training_loss((batch, *rest), kwargs)
+
+    def _training_loss(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tensor:
+        """``training_step(*args, **kwargs)``'s loss, as a side computation (nothing logged, metrics kept)."""
+        module = self.lightning_module
+        assert module is not None
         with _side_effect_free(module), self.precision_plugin.train_step_context():
             loss = loss_of(module.training_step(*args, **kwargs))
         if loss is None:
-            raise RuntimeError("GrawaStrategy(probe='batch'): training_step returned no loss tensor; use probe='step'.")
+            raise RuntimeError(
+                f"GrawaStrategy(probe={self.probe!r}): training_step returned no loss tensor; use probe='step'."
+            )
         return loss
 
 
