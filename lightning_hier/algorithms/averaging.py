@@ -30,7 +30,7 @@ Pure torch, usable from a plain training loop::
         loss = loss_fn(model(x), y); loss.backward(); opt.step(); opt.zero_grad()
         avg.observe(loss)          # only LSGD uses it
         avg.step()                 # GRAWA: avg.step(norms=...) to probe the gradient norms
-    avg.finalize()                 # every replica now holds the consensus model
+    avg.finalize()                 # every replica now holds the consensus (a final round if mid-period)
 """
 
 from __future__ import annotations

@@ -151,6 +151,9 @@ _COMMON_ARGS = """        sync_buffers: Average floating-point buffers (BatchNor
 class LocalSGDStrategy(AveragingStrategy):
     """Local SGD: replicas train independently and are averaged every ``tau`` steps.
 
+    The model after fit is the average of the trained replicas, also after a partial last period
+    or a fit shorter than ``tau``.
+
     Args:
         tau: Averaging period in optimizer steps (gradient accumulation does not change it).
     {common}
@@ -175,7 +178,13 @@ class EasgdStrategy(AveragingStrategy):
     """EASGD: every ``tau`` steps an elastic force moves each replica and a center variable toward each other.
 
     Per round, with the pre-pull replicas: ``x -= alpha (x - center)``, ``center += beta (mean(x) - center)``.
-    Validation, checkpoints' ``state_dict`` and the model after fit are the center variable.
+    Validation during fit and checkpoints' ``state_dict`` are the center variable (what the paper
+    evaluates). At the end of fit the center catches up with the replicas, ``center = mean(x)``,
+    and every rank's model is that average: the center lags the replicas by about ``tau / beta``
+    steps (40 with the defaults), so it alone would return a mostly untrained model after a
+    short fit, and exactly the initial model after a fit shorter than ``tau``. Measured (digits
+    MLP, 2 replicas, defaults, 3 seeds): center vs replicas' mean 0.35 vs 0.70 accuracy after 22
+    steps, 0.85 vs 0.90 after 44, 0.937 vs 0.947 after 88, 0.959 vs 0.955 after 176.
 
     Args:
         tau: Period in optimizer steps.
@@ -211,7 +220,8 @@ class LsgdStrategy(AveragingStrategy):
 
     The leader's replica is broadcast; ``x += lam (x_leader - x)``. The running loss of a rank is
     the mean of its training losses since the previous round. The consensus model (validation,
-    saved weights, the model after fit) is the current leader's replica.
+    saved weights, the model after fit) is the current leader's replica; at the end of fit a
+    partial last period elects its own leader (a final round).
 
     Args:
         tau: Period in optimizer steps.

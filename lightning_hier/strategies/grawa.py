@@ -46,22 +46,44 @@ class GrawaStrategy(AveragingStrategy):
         eps: Added to the norm before inverting, > 0 (a zero norm gives a large, finite weight).
         p: Exponent of the inverse norm, in (0, 8].
         norm: MGRAWA's model norm: ``'sum'`` of per-tensor norms (the authors' code) or ``'l2'``.
-        probe: Gradients whose norms weight the replicas, measured once per round: ``'batch'`` (a
-            separate forward/backward of ``training_step`` on the round's last training batch at
-            the current weights; logging, torchmetrics states, BatchNorm statistics and the
-            optimizer's gradients are left untouched) or ``'step'`` (the gradients of the step
-            that closes the round, at no extra cost; use it when ``training_step`` has other side
-            effects).
+        probe: Gradients whose norms weight the replicas, measured once per round (and for the
+            final round of a partial last period), each a side computation that leaves logging,
+            torchmetrics states, BatchNorm statistics and the optimizer's gradients untouched:
+
+            - ``'fresh'`` (default; the authors' code): one extra forward/backward of
+              ``training_step`` at the current weights on a batch drawn from the *whole* training
+              set, independently of the rank's shard: each rank draws, from its training
+              DataLoader's dataset (a dict or list of DataLoaders, and datamodules, work too), a
+              batch of the training batch size, collated and moved to the device as in training.
+              The draws and every random number of the probe (augmentation, dropout) are seeded by
+              ``(probe_seed, rank, step)``, and the training RNG stream and DataLoader are left
+              where they were; so nothing extra is checkpointed and a resume draws the same
+              batches. Needs a map-style dataset. Cost per round: fetching one batch plus one
+              forward/backward.
+            - ``'batch'``: the same on the round's last training batch, the one the rank has just
+              stepped on. Cheaper to fetch, but the norm then rewards a replica for fitting its own
+              batch: on label-skewed shards it favours the worse replica (measured below).
+            - ``'step'``: the gradients of the step that closed the round, free, with the same bias
+              as ``'batch'``; use it when ``training_step`` has other side effects.
+
+            Measured (2 CPU ranks, 3 seeds, validation accuracy at equal epochs, mean): with
+            label-skewed shards (each rank 80% of its five classes), MNIST 8k/2k MLP, 2 epochs,
+            tau 16: MGRAWA 0.928 fresh / 0.891 batch / 0.891 step, LGRAWA 0.930 / 0.890 / 0.890;
+            digits MLP, 4 epochs, tau 8: 0.969 / 0.971 / 0.972 and 0.968 / 0.971 / 0.972. With
+            i.i.d. shards all three agree within 0.005 on both.
+        probe_seed: Base seed of the fresh probe batches (``probe='fresh'``), >= 0.
         sync_buffers: Average floating-point buffers (BatchNorm statistics) uniformly at every round.
         bucket_size_mb: Size bound of the flat buffers reduced in one call (MiB).
         **kwargs: See :class:`~lightning_hier.strategies._base.HierStrategy`.
 
-    The consensus model (validation during fit, checkpoints' ``state_dict``, every rank's model
-    after fit) is the center: the replicas weighted with the latest round's weights. Not offered:
-    evaluating the uniform average with BatchNorm statistics recomputed over the training set
-    (the authors' code also does this; it costs a pass over the data), and the paper's
-    "asynchronous" step-budget rounds (under Lightning every rank takes the same number of steps,
-    so it coincides with the synchronous form).
+    The consensus model (validation during fit, checkpoints' ``state_dict``) is the center: the
+    replicas weighted with the latest round's weights. At the end of fit, a partial last period
+    (or a fit shorter than ``tau``) gets a final round: a new probe of the trained replicas, its
+    weights, and every rank's model becomes their center. Not offered: evaluating the uniform
+    average with BatchNorm statistics recomputed over the training set (the authors' code also
+    does this; it costs a pass over the data), and the paper's "asynchronous" step-budget rounds
+    (under Lightning every rank takes the same number of steps, so it coincides with the
+    synchronous form).
 
     Example:
         >>> import lightning.pytorch as pl
