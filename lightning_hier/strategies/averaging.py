@@ -19,7 +19,7 @@ replica with its center, norm EMAs and counters.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
@@ -30,6 +30,7 @@ from lightning_hier.algorithms.centers import CenterPolicy, ElasticCenter, Leade
 from lightning_hier.callbacks.pull import PullToCenter
 from lightning_hier.strategies._algorithm import AlgorithmStrategy
 from lightning_hier.strategies._buckets import bucket_arguments, check_bucket_options
+from lightning_hier.strategies._finite import loss_of
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -124,15 +125,6 @@ class AveragingStrategy(AlgorithmStrategy[PeriodicAveraging]):
             # a partial last period gets a final round; GRAWA's probes the trained replicas for it
             self.algorithm.finalize(self._norms())
         self._step_args = None  # the probe batch is not needed after training
-
-
-def loss_of(output: Any) -> Tensor | None:
-    """The loss in a ``training_step`` output (a tensor, or a mapping with ``'loss'``)."""
-    if isinstance(output, Tensor):
-        return output
-    if isinstance(output, Mapping) and isinstance(output.get("loss"), Tensor):
-        return output["loss"]
-    return None
 
 
 def _pull_callback(trainer: pl.Trainer) -> PullToCenter:

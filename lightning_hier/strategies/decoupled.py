@@ -328,7 +328,13 @@ class DecoupledStrategy(HierStrategy):
         batch = kwargs.get("batch", args[0] if args else None)
         batch_idx = int(kwargs.get("batch_idx", args[1] if len(args) > 1 else 0))
         pipe = self.pipeline
-        assert pipe is not None
+        if pipe is None:
+            raise RuntimeError(
+                "DecoupledStrategy: a training batch came after the fit was predicted to end and the stages "
+                "were reassembled into the whole model; the pipeline cannot go on. This is a bug in "
+                "lightning_hier.strategies._finish.ends_after_this_batch: please report the Trainer's "
+                "stopping arguments."
+            )
         reports: list[IterationReport] = []
         with self.precision_plugin.train_step_context():
             if batch_idx == 0 and pipe.in_flight:  # the previous epoch stopped early

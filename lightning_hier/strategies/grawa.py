@@ -19,8 +19,9 @@ from torchmetrics import Metric
 from lightning_hier import _validate as v
 from lightning_hier.algorithms.centers import CenterPolicy
 from lightning_hier.algorithms.grawa import DEFAULT_BETA, NORMS, VARIANTS, GradientWeightedCenter, probe_grad_norms
+from lightning_hier.strategies._finite import loss_of
 from lightning_hier.strategies._probe import draw, first, fresh_batches_of, isolated_rng
-from lightning_hier.strategies.averaging import AveragingStrategy, loss_of
+from lightning_hier.strategies.averaging import AveragingStrategy
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
