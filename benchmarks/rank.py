@@ -15,11 +15,10 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from hydra import compose, initialize_config_dir
-from hydra.utils import instantiate
 from lightning.pytorch.callbacks import Callback
 from omegaconf import OmegaConf
 
-from lightning_hier.train import build_module, build_strategy, build_trainer, conf_dir
+from lightning_hier.train import build_datamodule, build_module, build_strategy, build_trainer, conf_dir
 
 # What every benchmark rank needs regardless of the workload: no progress bars, checkpoints or
 # sanity checks (they would be timed), popen start method (under torchrun-style env: join).
@@ -128,7 +127,7 @@ def run_rank(spec: dict[str, Any], callbacks: list[Callback] | None = None) -> d
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     recorder = Recorder()
     all_callbacks: list[Callback] = [recorder, *(callbacks or [])]
-    datamodule = instantiate(cfg.data)
+    datamodule = build_datamodule(cfg)  # data=synthetic takes the shape the model asks for
     module = build_module(cfg, datamodule)
     trainer = build_trainer(cfg, build_strategy(cfg), spec["out_dir"], callbacks=all_callbacks, logger=False)
     trainer.fit(module, datamodule=datamodule)

@@ -38,6 +38,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import lightning_hier  # noqa: F401  registers the strategy names in every process
 from lightning_hier.models import Classifier
+from lightning_hier.models.inputs import check_input, input_spec
 from lightning_hier.summary import Summary, write_sweep_table
 
 log = logging.getLogger("lightning_hier.train")  # not "__main__" under python -m
@@ -77,9 +78,39 @@ def build_strategy(cfg: DictConfig, multirun: bool = False) -> Any:
     return instantiate(strategy_cfg)
 
 
+def _choice(cfg: DictConfig, group: str, fallback: str) -> str:
+    """The option picked for a config group (``model=small_cnn``), for messages."""
+    if HydraConfig.initialized():
+        picked = HydraConfig.get().runtime.choices.get(group)
+        if picked:
+            return str(picked)
+    return fallback
+
+
+def build_datamodule(cfg: DictConfig) -> Any:
+    """Instantiate ``cfg.data``; an open ``input_shape: null`` becomes the shape the model asks for.
+
+    That is how ``data=synthetic`` fits every model: flat features for ``mlp``, ``(3, 32, 32)``
+    images for the convolutional networks.
+    """
+    data = cfg.data
+    if "input_shape" in data and data.input_shape is None:
+        spec = input_spec(instantiate(cfg.model))
+        if spec is not None:
+            data = OmegaConf.merge(data, {"input_shape": list(spec.example)})
+    return instantiate(data)
+
+
 def build_module(cfg: DictConfig, datamodule: Any) -> Classifier:
-    """The network of ``cfg.model`` sized for ``datamodule``, wrapped in a :class:`Classifier`."""
-    net = instantiate(cfg.model)(input_shape=datamodule.input_shape, num_classes=datamodule.num_classes)
+    """The network of ``cfg.model`` sized for ``datamodule``, wrapped in a :class:`Classifier`.
+
+    The network is checked on one batch of the data's shape first (:func:`check_input`): a model
+    that does not fit its data fails here with a message that names both, before any rank starts.
+    """
+    factory = instantiate(cfg.model)
+    model_name = _choice(cfg, "model", getattr(factory, "func", factory).__name__)
+    data_name = _choice(cfg, "data", str(getattr(datamodule, "name", type(datamodule).__name__)))
+    net = check_input(factory, datamodule.input_shape, datamodule.num_classes, model_name, data_name)
     optim: dict[str, Any] = OmegaConf.to_container(cfg.optim, resolve=True)  # type: ignore[assignment]
     return Classifier(net, datamodule.num_classes, **optim)
 
@@ -127,7 +158,7 @@ def build_trainer(cfg: DictConfig, strategy: Any, output_dir: str, **overrides: 
 def run(cfg: DictConfig, output_dir: str, multirun: bool = False) -> Summary:
     """Build data, model, strategy and trainer from ``cfg``, fit, and summarise."""
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
-    datamodule = instantiate(cfg.data)
+    datamodule = build_datamodule(cfg)
     module = build_module(cfg, datamodule)
     trainer = build_trainer(cfg, build_strategy(cfg, multirun), output_dir)
     start = time.perf_counter()

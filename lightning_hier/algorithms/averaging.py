@@ -30,7 +30,7 @@ Pure torch, usable from a plain training loop::
         loss = loss_fn(model(x), y); loss.backward(); opt.step(); opt.zero_grad()
         avg.observe(loss)          # only LSGD uses it
         avg.step()                 # GRAWA: avg.step(norms=...) to probe the gradient norms
-    avg.finalize()                 # every replica now holds the consensus model
+    avg.finalize()                 # every replica now holds the consensus (a final round if mid-period)
 """
 
 from __future__ import annotations
@@ -280,14 +280,49 @@ class PeriodicAveraging:
                 flat.copy_(backup)
 
     @torch.no_grad()
-    def finalize(self) -> None:
-        """End of training: every replica takes the consensus model (a collective)."""
-        for flat, new in self._consensus_swaps():
-            flat.copy_(new)
-        if self.center is not None and not self.policy.elastic:
+    def finalize(self, norms: Callable[[], Tensor] | None = None) -> None:
+        """End of training: every replica takes the consensus of the trained replicas (a collective).
+
+        The consensus, per policy:
+
+        - a partial last period (steps since the last round, or no round at all): a *final round*
+          over the replicas as they are, ``c = combine(x_1, ..., x_W)`` with a fresh measurement
+          (Local SGD: the mean; LSGD: the leader of the period's running losses; GRAWA: weights
+          from a new gradient-norm probe, folded into the norm EMA), and every replica becomes ``c``;
+        - right after a round: the round's ``c`` (the pulled replicas still combine to it);
+        - EASGD, always: the center catches up with the replicas, ``center <- mean(x)`` (a final
+          elastic round with moving rate 1), and every replica becomes it. The center lags the
+          replicas by about ``tau / beta`` steps (40 with the defaults), so the plain center of a
+          short fit is mostly the initial model, and of a fit shorter than ``tau`` exactly it.
+
+        Afterwards the replicas are equal and are the center, as right after a Local SGD round:
+        calling it again changes nothing, and training may go on from there (the schedule starts
+        a new period; the final round is not counted in ``schedule.rounds``).
+
+        Args:
+            norms: This rank's gradient-norm probe for GRAWA's final round (see :meth:`step`).
+        """
+        if self.schedule.since_sync == 0 and self._replicas_equal:
+            return  # nothing trained since the replicas were last made equal
+        partial = self.schedule.since_sync > 0
+        if self.group is None:
+            c = None  # a single worker is its own consensus
+        elif self.policy.elastic:
+            c = self.flat.clone()
+            all_reduce_mean_(c, self.group, self.stats)
+        elif partial:
+            c = self.flat.clone()
+            self.policy.combine(c, self._context(fresh=True, norms=norms))
+        else:
+            c = self.center  # right after a round with lam < 1: the replicas combine to the stored c
+        if c is not None:
+            self.flat.copy_(c)
+        if partial and self.flat_buffers is not None:
+            all_reduce_mean_(self.flat_buffers.buckets, self.group, self.stats)
+        if self.policy.keeps_center or self.rho > 0:
             self.center = self.flat.clone()
         self.schedule.since_sync = 0
-        self._replicas_equal = not self.policy.elastic
+        self._replicas_equal = True
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:

@@ -8,13 +8,16 @@ DBS (Ye et al., arXiv 2007.11831, code github.com/Soptq/Dynamic_Load_Balance_Dis
 A fixed global batch ``B`` is split over the ``W`` ranks in proportion to their measured speed, so
 every rank's step takes about the same time::
 
-    start: b_w = B / W; every step: t_w = compute time (forward, backward, optimizer step, without
+    start: b_w = B / W (or given sizes); every step: t_w = compute time (forward, backward, optimizer step, without
     the time blocked in collectives); every `rebalance_every` steps: v_w = EMA of samples_w / t_w,
     all-gather v, b = split of B proportional to v (largest remainder, sum B, within bounds)
     gradient = sum_w (b_w / B) * mean_grad_w      # one SUM all-reduce of the weighted gradients
 
 The weighting makes the gradient the per-sample mean over the global batch whatever the split, so a
-step equals single-process SGD on the concatenated batch. The data side is in
+step equals single-process SGD on the concatenated batch. With ``drop_last=False`` the ``R < B``
+samples left at the end of an epoch form one smaller global batch, split by the same shares
+(``r_w``, a rank may get 0) and weighted ``r_w / R``, so that step too equals single-process SGD on
+those ``R`` samples. The data side is in
 :mod:`lightning_hier.algorithms.dbs_sampler`. The asynchronous parameter-server form of the 2019
 paper is not implemented (it would need ``torch.distributed.rpc``).
 
@@ -22,13 +25,14 @@ Pure torch: usable from a plain training loop::
 
     dbs = DynamicBatchSize(model.parameters(), group, rebalance_every=20)
     alloc = dbs.bind(global_batch=256)
-    sampler = DynamicBatchSampler(len(dataset), alloc, shuffle=True, seed=0)
+    sampler = DynamicBatchSampler(len(dataset), alloc, shuffle=True, seed=0, drop_last=False)
     loader = DataLoader(dataset, batch_sampler=sampler)
     for epoch in range(epochs):
         sampler.set_epoch(epoch)
         for x, y in loader:
             dbs.begin_micro_batch()
-            loss_fn(model(x), y).backward()
+            # loss_scale() is 1 except where a step mixes batch splits (see its docstring)
+            (loss_fn(model(x), y) * dbs.loss_scale()).backward()
             dbs.reduce_gradients()
             opt.step(); opt.zero_grad()
             dbs.end_step()
@@ -38,11 +42,8 @@ Pure torch: usable from a plain training loop::
 
 from __future__ import annotations
 
-import bisect
-import math
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -50,146 +51,30 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_hier.algorithms.dbs_sampler import Allocation
+from lightning_hier.algorithms.dbs_split import (  # re-exported: the split arithmetic lived here
+    ThroughputMeter,
+    check_split,
+    proportional_shares,
+    shard_sizes,
+    split_batch,
+    split_remainder,
+)
 from lightning_hier.comm import CommStats, FlatTensors, all_reduce_sum_, group_size
 from lightning_hier.comm.collectives import Group
 
 TIMERS = ("wall", "cpu")
 
-
-def check_split(global_batch: int, world: int, min_size: int, max_size: int | None) -> None:
-    """Raise ``ValueError`` unless ``global_batch`` can be split over ``world`` ranks within the bounds."""
-    hi = global_batch if max_size is None else max_size
-    if min_size < 1 or hi < min_size:
-        raise ValueError(f"DBS: batch size bounds must satisfy 1 <= min <= max, got min={min_size}, max={hi}.")
-    if not world * min_size <= global_batch <= world * hi:
-        raise ValueError(
-            f"DBS: a global batch of {global_batch} cannot be split over {world} ranks with per-rank batch "
-            f"sizes in [{min_size}, {hi}]: it must lie in [{world * min_size}, {world * hi}] "
-            f"(world size x min_batch_size, world size x max_batch_size)."
-        )
-
-
-def proportional_shares(total: float, weights: Sequence[float], low: float, high: float) -> list[float]:
-    """The real-valued split ``x_w = clamp(lam * weight_w, low, high)`` with ``sum(x) == total``.
-
-    ``lam`` is found exactly: the sum is piecewise linear and nondecreasing in ``lam``, with breaks where
-    a rank reaches a bound; search the break points, then solve the linear piece.
-    """
-    if any(not (w > 0 and math.isfinite(w)) for w in weights):
-        raise ValueError(f"DBS: weights must be positive and finite, got {list(weights)}.")
-
-    def clamped_sum(lam: float) -> float:
-        return sum(min(high, max(low, lam * w)) for w in weights)
-
-    points = sorted({low / w for w in weights} | {high / w for w in weights})
-    i = bisect.bisect_left(points, total, key=clamped_sum)
-    if i == len(points):
-        return [float(high)] * len(weights)
-    upper, lower = points[i], points[i - 1] if i > 0 else 0.0
-    mid = (lower + upper) / 2
-    free = [w for w in weights if low < mid * w < high]
-    fixed = sum(low if mid * w <= low else high for w in weights if not low < mid * w < high)
-    lam = (total - fixed) / sum(free) if free else upper
-    return [min(high, max(low, lam * w)) for w in weights]
-
-
-def split_batch(
-    global_batch: int, weights: Sequence[float], min_size: int = 1, max_size: int | None = None
-) -> list[int]:
-    """Integer batch sizes proportional to ``weights``: sum exactly ``global_batch``, each in the bounds.
-
-    The real-valued shares (:func:`proportional_shares`) are rounded by the largest-remainder method:
-    every rank gets the floor of its share, and the samples left over go one each to the ranks with
-    the largest fractional parts (ties: lower rank first). Every size is within 1 of its share.
-
-    Args:
-        global_batch: ``B``, the samples of one step over all ranks.
-        weights: One positive weight per rank (measured throughputs).
-        min_size: Smallest per-rank batch (>= 1).
-        max_size: Largest per-rank batch (``None``: no bound but ``B``).
-
-    Example:
-        >>> split_batch(10, [1.0, 1.0, 1.0])
-        [4, 3, 3]
-        >>> split_batch(12, [2.0, 1.0])
-        [8, 4]
-        >>> split_batch(12, [100.0, 1.0], max_size=9)
-        [9, 3]
-    """
-    check_split(global_batch, len(weights), min_size, max_size)
-    high = global_batch if max_size is None else max_size
-    shares = proportional_shares(global_batch, weights, min_size, high)
-    sizes = [min(high, max(min_size, math.floor(s))) for s in shares]
-    order = sorted(range(len(shares)), key=lambda r: (-(shares[r] - sizes[r]), r))
-    while sum(sizes) < global_batch:  # one pass suffices in exact arithmetic; loop guards rounding
-        for r in order:
-            if sum(sizes) < global_batch and sizes[r] < high:
-                sizes[r] += 1
-    while sum(sizes) > global_batch:
-        for r in reversed(order):
-            if sum(sizes) > global_batch and sizes[r] > min_size:
-                sizes[r] -= 1
-    return sizes
-
-
-def shard_sizes(num_samples: int, sizes: Sequence[int]) -> tuple[int, list[int]]:
-    """Steps per epoch and per-rank shard sizes that give every rank the same number of steps.
-
-    With the split ``sizes`` held for a whole epoch, rank ``w`` takes ``steps * sizes[w]`` samples;
-    the ``num_samples - steps * sum(sizes)`` left over (less than one global batch) are skipped.
-
-    Example:
-        >>> shard_sizes(100, [6, 3])
-        (11, [66, 33])
-    """
-    steps = num_samples // sum(sizes)
-    return steps, [steps * int(b) for b in sizes]
-
-
-@dataclass
-class ThroughputMeter:
-    """Samples per second of pure compute, averaged over windows and smoothed across them.
-
-    Args:
-        ema: Weight of the previous estimate: ``v = ema * v + (1 - ema) * v_window``; the first
-            window sets ``v`` directly (no bias toward zero).
-    """
-
-    ema: float
-    estimate: float = 0.0  # 0: nothing measured yet
-    samples: int = 0
-    compute_s: float = 0.0
-    idle_s: float = 0.0
-    steps: int = 0
-
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.ema < 1.0:
-            raise ValueError(f"ThroughputMeter: `ema` must be in [0, 1), got {self.ema}.")
-
-    def add(self, samples: int, compute_s: float, idle_s: float) -> None:
-        """Record one measured step."""
-        self.samples += samples
-        self.compute_s += max(compute_s, 0.0)
-        self.idle_s += idle_s
-        self.steps += 1
-
-    def close_window(self) -> dict[str, float]:
-        """Fold the window into the estimate; returns the window's per-step means and the estimate."""
-        per_step = max(self.steps, 1)
-        window = {"compute_s": self.compute_s / per_step, "idle_s": self.idle_s / per_step}
-        if self.steps and self.compute_s > 0:
-            rate = self.samples / self.compute_s
-            self.estimate = rate if self.estimate <= 0 else self.ema * self.estimate + (1 - self.ema) * rate
-        self.samples, self.compute_s, self.idle_s, self.steps = 0, 0.0, 0.0, 0
-        window["samples_per_s"] = self.estimate
-        return window
-
-    def state_dict(self) -> dict[str, float | int]:
-        return {k: v for k, v in asdict(self).items() if k != "ema"}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        for key, value in state.items():
-            setattr(self, key, type(getattr(self, key))(value))
+__all__ = [
+    "TIMERS",
+    "DynamicBatchSize",
+    "ThroughputMeter",
+    "check_initial_sizes",
+    "check_split",
+    "proportional_shares",
+    "shard_sizes",
+    "split_batch",
+    "split_remainder",
+]
 
 
 class DynamicBatchSize:
@@ -209,6 +94,9 @@ class DynamicBatchSize:
         max_batch_size: Largest per-rank batch (``None``: ``B``).
         warmup_steps: The first optimizer steps are not measured and no rebalance happens before
             ``warmup_steps + rebalance_every`` steps (one-off costs of the first steps).
+        initial_sizes: The split to start from, one batch size per rank summing to the global batch
+            given to :meth:`bind`, each within the bounds (``None``: the equal split). Reproducible
+            heterogeneity experiments start from a known, unequal split.
         buffers: Tensors averaged with the same weights at every step (e.g. BatchNorm statistics),
             so all ranks keep identical models.
         bucket_bytes: Bucket size bound of the flat buffers reduced in one call.
@@ -229,6 +117,7 @@ class DynamicBatchSize:
         min_batch_size: int = 1,
         max_batch_size: int | None = None,
         warmup_steps: int = 5,
+        initial_sizes: Sequence[int] | None = None,
         buffers: Iterable[Tensor] = (),
         bucket_bytes: int | None = None,
         stats: CommStats | None = None,
@@ -246,6 +135,7 @@ class DynamicBatchSize:
         self.rank = dist.get_rank(group) if group is not None else 0
         self.rebalance_every, self.warmup_steps = rebalance_every, warmup_steps
         self.min_batch_size, self.max_batch_size = min_batch_size, max_batch_size
+        self.initial_sizes = None if initial_sizes is None else [int(b) for b in initial_sizes]
         self.meter = ThroughputMeter(ema)
         self.stats = stats if stats is not None else CommStats()
         self.bucket_bytes = bucket_bytes
@@ -263,6 +153,11 @@ class DynamicBatchSize:
         self._window: tuple[float, float] | None = None  # (start time, blocked seconds at start)
         self._window_samples = 0
         self._window_batches = 0
+        # gradient weight of the step: the share b_r / B (r_r / R for a last, smaller batch) of its
+        # first micro-batch with samples; None until one arrives (0.0 if none has any)
+        self._window_weight: float | None = None
+        self._window_partial = False  # the step holds a smaller last batch: not a throughput sample
+        self._loss_scale = 1.0
 
     # ------------------------------------------------------------------ data
     def bind(self, global_batch: int) -> Allocation:
@@ -275,8 +170,13 @@ class DynamicBatchSize:
                 )
             return self.allocation
         check_split(global_batch, self.world, self.min_batch_size, self.max_batch_size)
-        sizes = self._restored_sizes or split_batch(
-            global_batch, [1.0] * self.world, self.min_batch_size, self.max_batch_size
+        if self._restored_sizes is None and self.initial_sizes is not None:
+            bounds = (self.min_batch_size, self.max_batch_size)
+            check_initial_sizes("DynamicBatchSize", self.initial_sizes, global_batch, self.world, *bounds)
+        sizes = (
+            self._restored_sizes
+            or self.initial_sizes
+            or split_batch(global_batch, [1.0] * self.world, self.min_batch_size, self.max_batch_size)
         )
         if sum(sizes) != global_batch or len(sizes) != self.world:
             raise ValueError(
@@ -294,21 +194,40 @@ class DynamicBatchSize:
             raise RuntimeError("DynamicBatchSize: call bind() and train with DynamicBatchSampler batches.")
         if self._window is None:
             self._window = (self.clock(), self.stats.blocked_s)
-        self._window_samples += self.allocation.consume()
+        samples, total = self.allocation.consume_share()
+        self._window_samples += samples
         self._window_batches += 1
+        self._window_partial |= total != self.allocation.global_batch
+        share = samples / total
+        if self._window_weight is None and samples > 0:
+            self._window_weight = share
+        # the step's gradient is reduced with one weight (the first share); a micro-batch with
+        # another share (the last, smaller batch after full ones) rescales its loss to match
+        self._loss_scale = share / self._window_weight if self._window_weight else 0.0
+
+    def loss_scale(self) -> float:
+        """Factor for the loss of the current micro-batch before its backward.
+
+        1.0 except in a step (an accumulation window) whose micro-batches have different shares, e.g.
+        full batches followed by the smaller last batch of an epoch (``drop_last=False``):
+        :meth:`reduce_gradients` applies one weight per step, so such a micro-batch's loss is scaled
+        by its share over the step's weight; 0.0 for a micro-batch of which this rank has no sample.
+        """
+        return self._loss_scale
 
     @torch.no_grad()
     def reduce_gradients(self) -> None:
         """Replace every gradient by ``sum_w (b_w / B) * grad_w`` (one SUM all-reduce of flat buckets).
 
         Each rank's gradient is the mean over its own samples of the step, so the weighted sum is the
-        mean over all ``B`` samples. Missing gradients count as zeros, so every rank reduces the same
+        mean over all ``B`` samples (``r_w / R`` and ``R`` for a last, smaller batch: a rank without
+        samples contributes zeros). Missing gradients count as zeros, so every rank reduces the same
         buckets. Buffers passed to the constructor are averaged with the same weights.
         """
         if self.group is None:
             return
         assert self.allocation is not None and self._window_batches > 0, "begin_micro_batch() not called"
-        weight = self._window_samples / (self._window_batches * self.allocation.global_batch)
+        weight = self._window_weight or 0.0
         grads: list[Tensor] = []
         for p in self.params:
             if p.grad is None:
@@ -327,7 +246,10 @@ class DynamicBatchSize:
         """The optimizer step is done: close its timing window and count it."""
         self.steps += 1
         _synchronize(self.device)  # count the optimizer step's GPU work in this step
-        if self._window is not None and self.steps > self.warmup_steps and not self._fresh:
+        # a smaller last batch is no throughput sample: fixed per-step costs would dominate it
+        measured = self._window is not None and not self._window_partial
+        if measured and self.steps > self.warmup_steps and not self._fresh:
+            assert self._window is not None
             start, blocked = self._window
             idle = self.stats.blocked_s - blocked
             # CPU time does not advance while blocked; wall time must have the wait taken out
@@ -336,6 +258,7 @@ class DynamicBatchSize:
         self._fresh = False
         self._window = None
         self._window_samples = self._window_batches = 0
+        self._window_weight, self._window_partial, self._loss_scale = None, False, 1.0
 
     # ------------------------------------------------------------------ rebalance
     def due(self) -> bool:
@@ -395,6 +318,41 @@ class DynamicBatchSize:
         self.meter.load_state_dict(state["meter"])
         if self.allocation is not None and self._restored_sizes is not None:
             self.allocation.update(self._restored_sizes, self.allocation.drawn)
+
+
+def check_initial_sizes(
+    owner: str,
+    sizes: Sequence[int],
+    global_batch: int | None,
+    world: int | None,
+    min_size: int = 1,
+    max_size: int | None = None,
+) -> list[int]:
+    """``sizes`` as a list if it is a valid initial split, else a ``ValueError`` that names it.
+
+    ``global_batch`` and ``world`` are checked where known (``None``: not yet known).
+    """
+    hi = max_size if max_size is not None else (global_batch if global_batch is not None else None)
+    allowed = f"integers >= {min_size}" + ("" if hi is None else f" and <= {hi}")
+    values = list(sizes) if isinstance(sizes, Sequence) and not isinstance(sizes, str) else None
+    bad_type = values is None or not values or any(isinstance(b, bool) or not isinstance(b, int) for b in values)
+    if bad_type or any(b < min_size or (hi is not None and b > hi) for b in values or []):
+        raise ValueError(
+            f"{owner}: argument `initial_sizes` must be a non-empty list of per-rank batch sizes, {allowed}, "
+            f"got {sizes!r}."
+        )
+    assert values is not None
+    if world is not None and len(values) != world:
+        raise ValueError(
+            f"{owner}: argument `initial_sizes` must have one batch size per data-parallel rank ({world}), "
+            f"got {len(values)}: {values}."
+        )
+    if global_batch is not None and sum(values) != global_batch:
+        raise ValueError(
+            f"{owner}: argument `initial_sizes` must sum to the global batch {global_batch}, got "
+            f"{values} (sum {sum(values)})."
+        )
+    return values
 
 
 def _synchronize(device: torch.device) -> None:

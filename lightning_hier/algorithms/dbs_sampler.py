@@ -6,7 +6,10 @@ permutation (the same permutation on every rank: ``randperm(N)`` seeded with ``s
 where ``b`` is the current :class:`Allocation`. Hence:
 
 - every rank yields exactly ``N // B`` batches per epoch, whatever the split (unequal batch counts
-  would desynchronise the collectives and hang the job);
+  would desynchronise the collectives and hang the job), plus, with ``drop_last=False``, one last
+  global batch of the ``R = N mod B`` samples left, split by the same shares (see
+  :func:`~lightning_hier.algorithms.dbs_split.split_remainder`). A rank whose share of it rounds to
+  0 still runs the step, on one sample of that batch, and gives its gradient the weight 0;
 - over an epoch a rank's shard is the union of its slices, so its size is proportional to its
   batch size (:func:`~lightning_hier.algorithms.dbs.shard_sizes` for a constant split);
 - the global batch of step ``k`` is the same set of samples as with ``DistributedSampler`` and equal
@@ -38,6 +41,8 @@ from torch.utils.data import (
     SequentialSampler,
 )
 
+from lightning_hier.algorithms.dbs_split import split_remainder
+
 
 class Allocation:
     """The per-rank batch sizes of one fixed global batch: shared by the sampler and the algorithm.
@@ -57,7 +62,7 @@ class Allocation:
         self.sizes: list[int] = [int(b) for b in sizes]
         self.drawn = 0
         self._segments: list[tuple[int, list[int]]] = [(0, self.sizes)]
-        self._pending: deque[int] = deque()
+        self._pending: deque[tuple[int, int]] = deque()  # (samples of this rank, of the global batch)
 
     @property
     def world(self) -> int:
@@ -81,11 +86,30 @@ class Allocation:
         """Offset and size of this rank's slice of the next global batch (called by the sampler)."""
         sizes = self.sizes_at(self.drawn)
         self.drawn += 1
-        self._pending.append(sizes[self.rank])
+        self._pending.append((sizes[self.rank], self.global_batch))
+        return sum(sizes[: self.rank]), sizes[self.rank]
+
+    def draw_last(self, remainder: int) -> tuple[int, int]:
+        """Offset and size of this rank's slice of a last, smaller global batch of ``remainder`` samples.
+
+        The split is :func:`~lightning_hier.algorithms.dbs_split.split_remainder` of the current
+        sizes (the same shares); the size may be 0.
+        """
+        sizes = split_remainder(remainder, self.sizes_at(self.drawn))
+        self.drawn += 1
+        self._pending.append((sizes[self.rank], remainder))
         return sum(sizes[: self.rank]), sizes[self.rank]
 
     def consume(self) -> int:
         """Size of the batch the training loop is about to use (batches are consumed in drawn order)."""
+        return self.consume_share()[0]
+
+    def consume_share(self) -> tuple[int, int]:
+        """This rank's samples in the batch the training loop is about to use, and the global batch's.
+
+        ``(b_r, B)`` for a full global batch; ``(r_r, R)`` for the last, smaller one, where ``r_r``
+        may be 0 (the rank then trains on a stand-in sample whose gradient gets weight 0).
+        """
         if not self._pending:
             raise RuntimeError(
                 "DBS: a training batch arrived that DynamicBatchSampler did not draw. The training "
@@ -116,18 +140,24 @@ class DynamicBatchSampler(Sampler[list[int]]):
         allocation: The shared per-rank batch sizes.
         shuffle: Visit the data in a new random order every epoch (else in index order).
         seed: Seed of the permutation; must be the same on every rank.
+        drop_last: Skip the ``N mod B`` samples left after the last full global batch (``True``, every
+            step has exactly ``B`` samples) or train on them as one smaller global batch (``False``).
     """
 
-    def __init__(self, num_samples: int, allocation: Allocation, shuffle: bool = True, seed: int = 0) -> None:
-        if num_samples < allocation.global_batch:
+    def __init__(
+        self, num_samples: int, allocation: Allocation, shuffle: bool = True, seed: int = 0, drop_last: bool = True
+    ) -> None:
+        if num_samples < 1 or (drop_last and num_samples < allocation.global_batch):
             raise ValueError(
                 f"DynamicBatchSampler: the dataset has {num_samples} samples, fewer than one global batch of "
-                f"{allocation.global_batch}; lower `global_batch_size`."
+                f"{allocation.global_batch}, and drop_last={drop_last} leaves no step; `num_samples` must be >= "
+                f"{allocation.global_batch} with drop_last=True, or >= 1 with drop_last=False."
             )
         self.num_samples = num_samples
         self.allocation = allocation
         self.shuffle = shuffle
         self.seed = seed
+        self.drop_last = drop_last
         self.epoch = 0
 
     @property
@@ -139,8 +169,8 @@ class DynamicBatchSampler(Sampler[list[int]]):
         self.epoch = epoch
 
     def __len__(self) -> int:
-        # the last incomplete global batch is dropped: every step has exactly B samples
-        return self.num_samples // self.allocation.global_batch
+        full, rest = divmod(self.num_samples, self.allocation.global_batch)
+        return full + (1 if rest and not self.drop_last else 0)
 
     def __iter__(self) -> Iterator[list[int]]:
         if self.shuffle:
@@ -149,21 +179,30 @@ class DynamicBatchSampler(Sampler[list[int]]):
         else:
             order = torch.arange(self.num_samples)
         batch = self.allocation.global_batch
+        full = self.num_samples // batch
         self.allocation.begin_epoch()
-        for step in range(len(self)):
+        for step in range(full):
             offset, size = self.allocation.draw()
             start = step * batch + offset
             yield order[start : start + size].tolist()
+        if len(self) > full:
+            start = full * batch
+            offset, size = self.allocation.draw_last(self.num_samples - start)
+            # every rank must run the step (equal step counts): with no share, train on the batch's
+            # first sample; its gradient and buffers get weight 0 (Allocation.consume_share)
+            yield order[start + offset : start + offset + size].tolist() if size else order[start : start + 1].tolist()
 
 
 def dynamic_batch_loader(loader: DataLoader[Any], allocation: Allocation, seed: int) -> DataLoader[Any]:
     """The same DataLoader, batched by a :class:`DynamicBatchSampler` over the same dataset.
 
     Workers, ``collate_fn``, pinning and the other loader options are kept; the loader's
-    ``batch_size`` and ``drop_last`` are replaced by the allocation (incomplete global batches are
-    dropped). Shuffling follows the loader's sampler: ``DistributedSampler`` (what Lightning injects)
-    keeps its ``shuffle`` and ``seed``; ``RandomSampler`` shuffles with ``seed``; ``SequentialSampler``
-    does not shuffle.
+    ``batch_size`` is replaced by the allocation. The loader's ``drop_last`` applies to global
+    batches: ``True`` skips the ``N mod B`` samples left after the last full global batch,
+    ``False`` trains on them as one smaller global batch split by the same shares. Shuffling
+    follows the loader's sampler: ``DistributedSampler`` (what Lightning injects) keeps its
+    ``shuffle`` and ``seed``; ``RandomSampler`` shuffles with ``seed``; ``SequentialSampler`` does
+    not shuffle.
 
     Raises:
         TypeError: The dataset is iterable, or the loader has a custom sampler or batch sampler
@@ -174,7 +213,8 @@ def dynamic_batch_loader(loader: DataLoader[Any], allocation: Allocation, seed: 
     if isinstance(loader.dataset, IterableDataset):
         raise TypeError("DBS needs a map-style dataset (with __getitem__ and __len__), got an IterableDataset.")
     shuffle, seed = _sampling_of(loader, seed)
-    sampler = DynamicBatchSampler(len(loader.dataset), allocation, shuffle=shuffle, seed=seed)  # type: ignore[arg-type]
+    drop_last = bool(loader.batch_sampler.drop_last)  # type: ignore[union-attr]  # a BatchSampler (_sampling_of)
+    sampler = DynamicBatchSampler(len(loader.dataset), allocation, shuffle, seed, drop_last)  # type: ignore[arg-type]
     return DataLoader(
         loader.dataset,
         batch_sampler=sampler,

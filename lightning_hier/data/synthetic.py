@@ -38,7 +38,9 @@ class SyntheticDataModule(ArrayDataModule):
     """Gaussian-cluster classification data of any input shape.
 
     Args:
-        input_shape: Shape of one sample, e.g. ``[32]`` or ``[3, 16, 16]``.
+        input_shape: Shape of one sample, e.g. ``[32]`` (features) or ``[3, 32, 32]`` (images, as
+            convolutional networks need). ``None``: ``[32]``; the training entry
+            (``python -m lightning_hier.train``) instead gives ``null`` the shape the model asks for.
         num_classes: Number of classes.
         train_size: Training samples.
         val_size: Validation samples.
@@ -51,7 +53,7 @@ class SyntheticDataModule(ArrayDataModule):
 
     def __init__(
         self,
-        input_shape: Sequence[int] = (32,),
+        input_shape: Sequence[int] | None = (32,),
         num_classes: int = 10,
         train_size: int = 2048,
         val_size: int = 512,
@@ -61,7 +63,7 @@ class SyntheticDataModule(ArrayDataModule):
     ) -> None:
         super().__init__(**kwargs)  # type: ignore[arg-type]
         owner = type(self).__name__
-        self.shape = tuple(v.check_int(owner, "input_shape", int(s), minimum=1) for s in input_shape)
+        self.shape = _check_shape(owner, (32,) if input_shape is None else input_shape)
         self.classes = v.check_int(owner, "num_classes", num_classes, minimum=2)
         self.train_size = v.check_int(owner, "train_size", train_size, minimum=1)
         self.val_size = v.check_int(owner, "val_size", val_size, minimum=1)
@@ -70,3 +72,14 @@ class SyntheticDataModule(ArrayDataModule):
 
     def load_arrays(self) -> Arrays:
         return make_synthetic_arrays(self.shape, self.classes, self.train_size, self.val_size, self.noise, self.seed)
+
+
+def _check_shape(owner: str, shape: object) -> tuple[int, ...]:
+    """A non-empty sequence of positive integers, as a tuple."""
+    values = list(shape) if isinstance(shape, Sequence) and not isinstance(shape, str) else None
+    if not values or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in values):
+        raise ValueError(
+            f"{owner}: argument `input_shape` must be a non-empty list of positive integers, e.g. [32] or "
+            f"[3, 32, 32], got {shape!r}."
+        )
+    return tuple(values)

@@ -36,6 +36,7 @@ from lightning_hier.layers.convert import (
 )
 from lightning_hier.layers.grads import GradientReducer, parameter_kinds
 from lightning_hier.layers.linear import GridLinear
+from lightning_hier.layers.replicated import replicated_leaves
 from lightning_hier.layers.spatial import DomainConv2d, GatherSlabs, GridBatchNorm2d, SlabPool2d
 
 __all__ = [
@@ -59,6 +60,7 @@ __all__ = [
     "is_grid_model",
     "load_full_state_dict",
     "parameter_kinds",
+    "replicated_leaves",
     "shard_range",
     "split_along",
     "to_grid",

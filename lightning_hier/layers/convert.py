@@ -17,8 +17,13 @@ later ``nn.Conv2d``         :class:`DomainConv2d`
 ``nn.Flatten``, adaptive    :class:`GatherSlabs` around it: the conv -> FC transition
 pooling after a conv
 activations, dropout        unchanged (element-wise: correct on slabs)
+a layer with tied weights,  unchanged (replicated; exact outside the convolutional part):
+or whose parent reads its   see :mod:`lightning_hier.layers.replicated` (e.g. an embedding
+weights (MHA ``out_proj``)  tied to the output Linear, ``nn.MultiheadAttention.out_proj``)
 ==========================  ================================================================
 
+``nn.TransformerEncoderLayer`` keeps its attention whole and shards its MLP (``linear1``,
+``linear2``); its fused inference path, which reads those weights directly, is turned off.
 Anything else inside the convolutional part is rejected with the list of what is supported.
 Custom blocks are converted through their children; their own ``forward`` code must be
 element-wise or slab-safe along H (e.g. ResNet's ``x[:, :, ::2, ::2]`` shortcut is, because slabs
@@ -32,6 +37,7 @@ network for export. All three are collectives: call them on every rank.
 from __future__ import annotations
 
 import copy
+from collections.abc import Collection
 from enum import Enum
 from typing import Any
 
@@ -40,6 +46,7 @@ from torch import Tensor, nn
 
 from lightning_hier.layers.context import GridContext
 from lightning_hier.layers.linear import GridLinear
+from lightning_hier.layers.replicated import FAST_PATH_LAYERS, disable_fast_path, replicated_leaves
 from lightning_hier.layers.spatial import DomainConv2d, GatherSlabs, GridBatchNorm2d, SlabPool2d
 
 SLAB_SAFE: tuple[type[nn.Module], ...] = (
@@ -104,19 +111,27 @@ class Role(str, Enum):
     UNSUPPORTED = "unsupported"  # cannot run on slabs (fine with Pr = 1)
 
 
-def classify(module: nn.Module) -> list[tuple[str, nn.Module, Role, str]]:
+def classify(
+    module: nn.Module, called: Collection[str] | None = None, scope: str = ""
+) -> list[tuple[str, nn.Module, Role, str]]:
     """``(path, leaf module, role, reason)`` for every leaf, in registration order.
 
     Before the first ``Conv2d`` activations are whole inputs replicated over MODEL; from it to the
     first ``Flatten`` / adaptive pooling they are slabs of rows; after that, replicated again.
-    ``reason`` says why a leaf is ``UNSUPPORTED`` (empty otherwise).
+    ``reason`` says why a leaf is ``UNSUPPORTED`` (empty otherwise). Leaves that must stay whole
+    (tied parameters, weights read by the parent: :func:`~lightning_hier.layers.replicated.replicated_leaves`,
+    with ``called`` and ``scope`` from a trace) are ``REPLICATED``, or ``UNSUPPORTED`` where they
+    would have to run on slabs.
     """
     out: list[tuple[str, nn.Module, Role, str]] = []
+    kept = replicated_leaves(module, called, scope)
     region = "input"  # -> "spatial" after the first conv -> "fc" after the transition
     for path, m in module.named_modules():
         if list(m.children()):
             continue
         role, reason = _role(m, region)
+        if path in kept and role not in (Role.SLAB_SAFE, Role.REPLICATED, Role.UNSUPPORTED):
+            role, reason = _kept_role(m, region, kept[path])
         if role in (Role.FIRST_CONV, Role.CONV):
             region = "spatial"
         elif role is Role.TRANSITION:
@@ -148,6 +163,12 @@ def _role(m: nn.Module, region: str) -> tuple[Role, str]:
     )
 
 
+def _kept_role(m: nn.Module, region: str, why: str) -> tuple[Role, str]:
+    if region == "spatial" or isinstance(m, nn.Conv2d):
+        return Role.UNSUPPORTED, f"{type(m).__name__} must stay whole ({why}), but it would run on slabs of image rows"
+    return Role.REPLICATED, ""
+
+
 def _grid_form(m: nn.Module, role: Role, grid: GridContext) -> nn.Module:
     if role is Role.LINEAR and isinstance(m, nn.Linear) and m.out_features >= grid.pr:
         return GridLinear.from_linear(m, grid)
@@ -162,14 +183,17 @@ def _grid_form(m: nn.Module, role: Role, grid: GridContext) -> nn.Module:
     return m
 
 
-def to_grid(module: nn.Module, grid: GridContext, example: Tensor | None = None) -> nn.Module:
+def to_grid(module: nn.Module, grid: GridContext, example: Tensor | None = None, network: str = "") -> nn.Module:
     """Convert ``module`` in place into its grid-parallel form (see the module docstring).
 
     Args:
         module: An ordinary network, identical on every rank (broadcast it first).
         grid: This rank's grid context.
-        example: An example input batch: its shapes let every spatial layer be checked now, with
-            the layer's name in the message, rather than at the first forward.
+        example: An example input batch of the submodule at ``network``: its shapes let every
+            spatial layer be checked now, with the layer's name in the message, rather than at the
+            first forward, and the leaves it never calls are kept whole (their parent reads them).
+        network: Dotted path of the submodule ``example`` is the input of (``""``: ``module``
+            itself, e.g. a LightningModule without a ``forward`` of its own traces its network).
 
     Returns:
         ``module``, converted. A model converted before (e.g. fitted by an earlier Trainer) is only
@@ -182,8 +206,12 @@ def to_grid(module: nn.Module, grid: GridContext, example: Tensor | None = None)
     if is_grid_model(module):
         _rebind(module, grid)
         return module
-    shapes = trace_shapes(module, example) if example is not None else {}
-    leaves = classify(module)
+    shapes: dict[str, tuple[torch.Size, torch.Size]] = {}
+    if example is not None:
+        prefix = f"{network}." if network else ""
+        traced = trace_shapes(module.get_submodule(network), example)
+        shapes = {f"{prefix}{path}" if path else network: io for path, io in traced.items()}
+    leaves = classify(module, set(shapes) if example is not None else None, network)
     for path, m, role, reason in leaves:
         if role is Role.UNSUPPORTED and grid.pr > 1:
             raise ValueError(f"to_grid: layer {path} ({type(m).__name__}): {reason} (Pr={grid.pr}).")
@@ -193,6 +221,7 @@ def to_grid(module: nn.Module, grid: GridContext, example: Tensor | None = None)
             "to_grid: the convolutional part never ends: add an nn.Flatten or adaptive pooling module before "
             "the fully connected layers (the conv -> FC transition gathers the slabs there)."
         )
+    converted: list[str] = []
     for path, m, role, _ in leaves:
         new = _grid_form(m, role, grid)
         if isinstance(new, DomainConv2d | SlabPool2d) and path in shapes:
@@ -203,7 +232,20 @@ def to_grid(module: nn.Module, grid: GridContext, example: Tensor | None = None)
         if new is not m:
             parent, _, name = path.rpartition(".")
             setattr(module.get_submodule(parent), name, new)
+            converted.append(path)
+    _keep_module_calls(module, converted)
     return module
+
+
+def _keep_module_calls(module: nn.Module, converted: list[str]) -> None:
+    """Turn off the fused inference paths that would read converted children's weights directly."""
+    for prefix, m in module.named_modules():
+        if not any(p.startswith(f"{prefix}.") or not prefix for p in converted):
+            continue
+        if isinstance(m, FAST_PATH_LAYERS):
+            disable_fast_path(m)
+        elif isinstance(m, nn.TransformerEncoder):
+            m.use_nested_tensor = False  # nested tensors cannot be all-gathered by the grid layers
 
 
 def _rebind(module: nn.Module, grid: GridContext) -> None:

@@ -74,6 +74,11 @@ class GridLinear(nn.Module):
         return full[start:stop]
 
     def forward(self, x: Tensor) -> Tensor:
+        if x.dim() == 0 or x.shape[-1] != self.in_features:  # F.linear would name the shard's shape
+            raise ValueError(
+                f"GridLinear (nn.Linear({self.in_features}, {self.out_features}) sharded over Pr={self.grid.pr}) got "
+                f"an input of shape {list(x.shape)}: it needs {self.in_features} features in the last dimension."
+            )
         x = copy_to_model(x, self.grid, "fc_dx")
         return gather_along(F.linear(x, self.weight, self.bias), -1, self.sizes, self.grid, "fc_gather")
 

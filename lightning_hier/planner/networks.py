@@ -79,7 +79,7 @@ def model_layers(module: nn.Module, input_shape: Sequence[int]) -> list[Layer]:
     ref = next(iter(module.parameters()), None)
     example = torch.zeros(1, *input_shape, dtype=ref.dtype if ref is not None else None)
     shapes = trace_shapes(module, example)
-    roles = {path: (m, role, reason) for path, m, role, reason in classify(module)}
+    roles = {path: (m, role, reason) for path, m, role, reason in classify(module, set(shapes))}
     layers: list[Layer] = []
     for path, (ins, _) in shapes.items():
         m, role, reason = roles[path]

@@ -53,6 +53,7 @@ from lightning_hier.comm import CommStats, FailureBoard, broadcast_, broadcast_o
 from lightning_hier.comm.failures import is_communication_error
 from lightning_hier.rng import capture_rng, restore_rng
 from lightning_hier.strategies import _checkpoint as ckpt
+from lightning_hier.strategies import _finish
 from lightning_hier.strategies._finite import FiniteChecks, warn_if_not_finite
 from lightning_hier.strategies._launchers import _ReportingLauncher
 from lightning_hier.strategies._registry import register_family
@@ -130,6 +131,7 @@ class HierStrategy(FiniteChecks, ParallelStrategy):
         self._eval_stack: ExitStack | None = None
         self.comm_stats = CommStats()
         self.last_metrics: dict[str, float] = {}
+        self._finished = False  # finalized since the last training batch started
 
     # ------------------------------------------------------------------ layout and ranks
     def _layout(self) -> dict[str, int]:
@@ -257,6 +259,7 @@ class HierStrategy(FiniteChecks, ParallelStrategy):
             self._setup_algorithm(trainer)
             if self._restored is not None:
                 self._apply_restored_state()
+            _finish.install(trainer)
 
     def _apply_restored_state(self) -> None:
         """Apply this rank's saved algorithm state and accounting (the RNG waits for ``on_train_start``)."""
@@ -326,6 +329,7 @@ class HierStrategy(FiniteChecks, ParallelStrategy):
             self._eval_stack = None
 
     def on_train_start(self) -> None:
+        self._finished = False
         if self._restored is not None:
             restore_rng(self._restored["rng"])  # the last moment before training draws from it
         self._restored = None  # everything is restored by now (optimizer states come after setup)
@@ -346,8 +350,23 @@ class HierStrategy(FiniteChecks, ParallelStrategy):
         return dataloader
 
     def finish_training(self) -> None:
-        """Leave the finished (consensus) model in every rank's module (a collective)."""
-        self._finalize_algorithm()
+        """Leave the finished (consensus) model in every rank's module, once per end of training.
+
+        A collective. The internal callback of :mod:`lightning_hier.strategies._finish` calls it
+        right after the fit's last optimizer step, not in this strategy's ``on_train_end``, which
+        Lightning runs after every user ``on_train_end``: the last epoch's validation and
+        checkpoints, user ``on_train_end`` / ``on_fit_end`` hooks (collectives in them included)
+        and ``fit()``'s result all see the same finished model on every rank. It runs again, as a
+        no-op, from ``on_train_end``; a later training batch re-arms it, so a wrong guess of the
+        last step costs one extra merge.
+        """
+        if not self._finished:
+            self._finalize_algorithm()
+            self._finished = True
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        self._finished = False  # training goes on: the replicas may differ again
 
     def on_train_end(self) -> None:
         self.finish_training()

@@ -20,8 +20,11 @@ looked: in ``on_validation_end`` or in another callback's ``on_train_epoch_end``
 model of that moment; ``on_train_end``, ``on_fit_end`` and the model after ``fit()`` hold the
 finished one.
 
-A wrong prediction costs one extra blocking merge and nothing else: training goes on from the
-finished model (the algorithms' ``finalize`` leaves a state from which the next step starts anew).
+A wrong prediction costs one extra finish (a blocking merge; for GRAWA also a probe of the
+replicas) and nothing else for the data-parallel strategies: training goes on from the finished
+model (their ``finalize`` leaves a state from which the next step starts anew). The decoupled
+pipeline cannot go on after its stages are reassembled and raises a clear error instead; the
+prediction mirrors Lightning's own stopping rules, so this is not expected to happen.
 """
 
 from __future__ import annotations

@@ -18,10 +18,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from lightning_hier.algorithms.decoupled import check_split_points, stage_ranges
+from lightning_hier.algorithms.decoupled import balanced_split, check_split_points, measure_block_costs, stage_ranges
 from lightning_hier.comm import broadcast_, gather_objects
 from lightning_hier.comm.collectives import Group
 from lightning_hier.strategies._checkpoint import detach_state
+from lightning_hier.strategies._user_model import describe, find_network, first_input, first_training_batch
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -48,25 +49,23 @@ class Elsewhere(nn.Module):
 
 
 def resolve_blocks(module: nn.Module, attr: str) -> Container:
-    """The ``nn.Sequential`` / ``nn.ModuleList`` of blocks at the dotted path ``attr`` of ``module``.
+    """The blocks at the dotted path ``attr`` of ``module``, in order.
+
+    An ``nn.Sequential`` / ``nn.ModuleList`` is the list of blocks; any other module is a network
+    of one block (returned inside a new ``nn.Sequential``, which the module does not hold: one
+    block makes one stage, so it is never replaced by a placeholder).
 
     Raises:
-        ValueError: No such attribute, or it is not an ordered container of blocks.
+        ValueError: No such attribute.
     """
-    owner = type(module).__name__
     try:
         blocks = module.get_submodule(attr)
     except AttributeError:
         raise ValueError(
-            f"DecoupledStrategy cannot cut {owner}: it has no submodule `{attr}`. The pipeline needs the network as "
-            "an nn.Sequential (or nn.ModuleList) of blocks; set `module_attr` to its attribute path."
+            f"DecoupledStrategy cannot cut {type(module).__name__}: it has no submodule `{attr}`. The pipeline needs "
+            "the network as an nn.Sequential (or nn.ModuleList) of blocks; set `module_attr` to its attribute path."
         ) from None
-    if not isinstance(blocks, Container):
-        raise ValueError(
-            f"DecoupledStrategy cannot cut {owner}.{attr}: it is a {type(blocks).__name__}, not an nn.Sequential or "
-            "nn.ModuleList of blocks. Express the network as an ordered list of blocks (the reference models are)."
-        )
-    return blocks
+    return blocks if isinstance(blocks, Container) else nn.Sequential(blocks)
 
 
 def check_no_outside_parameters(module: nn.Module, attr: str) -> None:
@@ -168,6 +167,28 @@ def forward_replaced(target: nn.Module, forward: Any) -> Iterator[None]:
         del target.forward
 
 
+def check_stages_argument(owner: str, stages: Any) -> int | str:
+    """Validate the strategy's ``stages`` argument: ``'auto'`` or a positive integer."""
+    if stages == "auto":
+        return "auto"
+    if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
+        raise ValueError(f"{owner}: argument `stages` must be 'auto' or an integer >= 1, got {stages!r}.")
+    return stages
+
+
+def blocks_attr(module: nn.Module, module_attr: str | None) -> str:
+    """``module_attr``, or the path :func:`~lightning_hier.strategies._user_model.find_network` finds."""
+    if module_attr is not None:
+        return module_attr
+    try:
+        return find_network(module)
+    except ValueError as err:
+        raise ValueError(
+            f"DecoupledStrategy cannot tell which submodule of {type(module).__name__} holds the blocks: {err}. Set "
+            "`module_attr` to the attribute path of the nn.Sequential / nn.ModuleList of blocks."
+        ) from None
+
+
 def check_split_argument(owner: str, split: Sequence[int] | None, stages: int) -> tuple[int, ...] | None:
     """Validate the strategy's ``split`` argument at construction (the block count comes later)."""
     if split is None:
@@ -193,16 +214,71 @@ def check_optimizer_params(optimizer: Optimizer, stage: nn.Module) -> None:
 
 
 def sample_input(module: pl.LightningModule, trainer: pl.Trainer, device: torch.device) -> Tensor:
-    """One batch of inputs to time the blocks on: ``example_input_array`` or the first training batch."""
+    """One batch of block inputs: ``example_input_array``, else the first training batch's input.
+
+    The input of a batch is the batch itself (a tensor), its first element or its first dict value.
+
+    Raises:
+        ValueError: Neither gives a tensor.
+    """
     example = module.example_input_array
     if isinstance(example, Tensor):
         return example.to(device)
-    with torch.random.fork_rng():  # iterating the loader must not shift the run's random stream
-        batch = next(iter(trainer.fit_loop._data_source.dataloader()))
-        batch = module._apply_batch_transfer_handler(batch, device)
-    if isinstance(batch, list | tuple) and batch and isinstance(batch[0], Tensor):
-        return batch[0]
-    raise ValueError(
-        "DecoupledStrategy: cannot find a sample input to balance the stages; pass `split` explicitly or set "
-        "`example_input_array` on the LightningModule."
-    )
+    batch = first_training_batch(module, trainer, device)
+    inputs = first_input(batch)
+    if inputs is None:
+        raise ValueError(
+            f"cannot find a sample input to balance the stages: the first training batch is {describe(batch)}, with "
+            "no input tensor first; pass `split` explicitly or set `example_input_array` on the LightningModule."
+        )
+    return inputs
+
+
+def probe_blocks(
+    module: pl.LightningModule,
+    trainer: pl.Trainer,
+    device: torch.device,
+    blocks: Container,
+    attr: str,
+    num_stages: int,
+    balance: bool,
+) -> tuple[tuple[int, ...] | None, str | None]:
+    """``(balanced split or None, error message or None)`` from one sample input (run on one rank)."""
+    try:
+        sample = sample_input(module, trainer, device)
+    except ValueError as err:
+        return None, (str(err) if balance else None)  # without balancing the check is a courtesy
+    error = check_blocks_accept(blocks, sample, attr)
+    if error is not None or not balance:
+        return None, error
+    return balanced_split(measure_block_costs(list(blocks), sample), num_stages), None
+
+
+def check_blocks_accept(blocks: Container, sample: Tensor, attr: str) -> str | None:
+    """Run ``sample`` through the blocks in order (eval mode, no grad); the error message if a block fails.
+
+    The pipeline feeds each batch's input to the first block and every block's output to the next,
+    with nothing in between; a network whose ``forward`` (or ``training_step``) reshapes the input
+    first fails here with a message naming the block and the shape, not deep inside a stage.
+    """
+    modes = [b.training for b in blocks]
+    h: Any = sample
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[sample.device] if sample.device.type == "cuda" else []):
+            for i, block in enumerate(blocks):
+                shape = list(h.shape) if isinstance(h, Tensor) else type(h).__name__
+                try:
+                    h = block.eval()(h)
+                except Exception as err:
+                    what = "the input" if i == 0 else f"block {i - 1}'s output"
+                    return (
+                        f"block {i} of `{attr}` ({type(block).__name__}) cannot take {what} of shape {shape} "
+                        f"({type(err).__name__}: {err}). The pipeline feeds each training batch's input (the batch "
+                        f"itself, its first element or first dict value; here of shape {list(sample.shape)}) to the "
+                        f"blocks of `{attr}` in order, with nothing in between: move input transforms (e.g. a "
+                        "flatten in forward or training_step) into a block."
+                    )
+    finally:
+        for block, mode in zip(blocks, modes, strict=True):
+            block.train(mode)
+    return None

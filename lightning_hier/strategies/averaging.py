@@ -19,7 +19,7 @@ replica with its center, norm EMAs and counters.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
@@ -30,6 +30,7 @@ from lightning_hier.algorithms.centers import CenterPolicy, ElasticCenter, Leade
 from lightning_hier.callbacks.pull import PullToCenter
 from lightning_hier.strategies._algorithm import AlgorithmStrategy
 from lightning_hier.strategies._buckets import bucket_arguments, check_bucket_options
+from lightning_hier.strategies._finite import loss_of
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -86,7 +87,7 @@ class AveragingStrategy(AlgorithmStrategy[PeriodicAveraging]):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         output = super().training_step(*args, **kwargs)
         if self.algorithm is not None:
-            self._step_args = (args, kwargs)  # the probe batch of GRAWA (probe='batch')
+            self._step_args = (args, kwargs)  # GRAWA's probe: the batch (probe='batch') or batch_idx
             loss = loss_of(output)
             if loss is not None:
                 self.algorithm.observe(loss)  # LSGD elects its leader from the running loss
@@ -120,17 +121,10 @@ class AveragingStrategy(AlgorithmStrategy[PeriodicAveraging]):
         schedule.tau = v.check_int(owner, "tau", pull.tau_at(schedule.rounds, self.tau), minimum=1)
 
     def _finalize_algorithm(self) -> None:
+        if self.algorithm is not None:
+            # a partial last period gets a final round; GRAWA's probes the trained replicas for it
+            self.algorithm.finalize(self._norms())
         self._step_args = None  # the probe batch is not needed after training
-        super()._finalize_algorithm()
-
-
-def loss_of(output: Any) -> Tensor | None:
-    """The loss in a ``training_step`` output (a tensor, or a mapping with ``'loss'``)."""
-    if isinstance(output, Tensor):
-        return output
-    if isinstance(output, Mapping) and isinstance(output.get("loss"), Tensor):
-        return output["loss"]
-    return None
 
 
 def _pull_callback(trainer: pl.Trainer) -> PullToCenter:
@@ -148,6 +142,9 @@ _COMMON_ARGS = """        sync_buffers: Average floating-point buffers (BatchNor
 
 class LocalSGDStrategy(AveragingStrategy):
     """Local SGD: replicas train independently and are averaged every ``tau`` steps.
+
+    The model after fit is the average of the trained replicas, also after a partial last period
+    or a fit shorter than ``tau``.
 
     Args:
         tau: Averaging period in optimizer steps (gradient accumulation does not change it).
@@ -173,7 +170,13 @@ class EasgdStrategy(AveragingStrategy):
     """EASGD: every ``tau`` steps an elastic force moves each replica and a center variable toward each other.
 
     Per round, with the pre-pull replicas: ``x -= alpha (x - center)``, ``center += beta (mean(x) - center)``.
-    Validation, checkpoints' ``state_dict`` and the model after fit are the center variable.
+    Validation during fit and checkpoints' ``state_dict`` are the center variable (what the paper
+    evaluates). At the end of fit the center catches up with the replicas, ``center = mean(x)``,
+    and every rank's model is that average: the center lags the replicas by about ``tau / beta``
+    steps (40 with the defaults), so it alone would return a mostly untrained model after a
+    short fit, and exactly the initial model after a fit shorter than ``tau``. Measured (digits
+    MLP, 2 replicas, defaults, 3 seeds): center vs replicas' mean 0.35 vs 0.70 accuracy after 22
+    steps, 0.85 vs 0.90 after 44, 0.937 vs 0.947 after 88, 0.959 vs 0.955 after 176.
 
     Args:
         tau: Period in optimizer steps.
@@ -209,7 +212,8 @@ class LsgdStrategy(AveragingStrategy):
 
     The leader's replica is broadcast; ``x += lam (x_leader - x)``. The running loss of a rank is
     the mean of its training losses since the previous round. The consensus model (validation,
-    saved weights, the model after fit) is the current leader's replica.
+    saved weights, the model after fit) is the current leader's replica; at the end of fit a
+    partial last period elects its own leader (a final round).
 
     Args:
         tau: Period in optimizer steps.

@@ -6,23 +6,40 @@ Ahn, arXiv 2509.05679, on FDG / DDG) lives in :mod:`lightning_hier.algorithms.de
 How it sits in Lightning (decisions, in the order a fit meets them):
 
 - **Layout.** ``W = N x K`` ranks, ``rank(d, k) = d * K + k`` (:class:`~lightning_hier.topology.Topology`
-  with ``pipe=K``); a world size that ``K`` does not divide fails when the Trainer is built. The
-  training sampler shards by the data-parallel coordinate ``d`` only: the stages of a replica read
-  the same batches (stage 0 uses them; labels travel with the activations).
-- **The model.** The blocks are the ``nn.Sequential`` (or ``nn.ModuleList``) at ``module_attr``
-  (``net`` for :class:`~lightning_hier.models.Classifier`). Every rank starts from rank 0's whole
-  model (broadcast before the cut), then keeps only its stage: the other blocks go to the meta
-  device behind placeholders. ``configure_optimizers`` therefore sees this stage's parameters only.
-  ``split`` gives the cut points; by default rank 0 times each block's forward + backward on one
-  batch (``example_input_array`` or the first training batch) and balances the stages.
+  with ``pipe=K``); a given ``K`` that does not divide the world size fails when the Trainer is
+  built. ``stages='auto'`` (the default) takes the largest divisor of the world size that is at most
+  the number of blocks: as deep a pipeline as the world and the model allow, the rest of the world
+  as data parallelism; a one-block network (``BoringModel``) gets ``K = 1``, plain data parallelism
+  through the same engine. The training sampler shards by the data-parallel coordinate ``d`` only:
+  the stages of a replica read the same batches (stage 0 uses them; labels travel with the
+  activations, and the last stage keeps its own copy of the batch for the loss).
+- **The model.** The blocks are the ``nn.Sequential`` (or ``nn.ModuleList``) at ``module_attr``;
+  any other module there is one block. Without ``module_attr`` the strategy looks breadth first
+  (the module's direct children, then theirs, ...) for the first level holding an ``nn.Sequential``
+  / ``nn.ModuleList`` with parameters, which must hold exactly one (``net`` of
+  :class:`~lightning_hier.models.Classifier`, ``model`` of a module built as ``self.model = nn.Sequential(...)``);
+  with no such container, a module whose parameters all sit in one child has that child as its one
+  block; otherwise an error lists the candidates. Every rank starts from rank 0's whole model
+  (broadcast before the cut), then keeps only its stage: the other blocks go to the meta device
+  behind placeholders. ``configure_optimizers`` therefore sees this stage's parameters only.
+- **Input and balance.** Stage 0 feeds each batch's input to the first block: the batch itself (a
+  tensor), its first element (tuple/list) or first value (dict). At set-up rank 0 runs the blocks on
+  one sample (``example_input_array``, else the first training batch's input): a block that cannot
+  take its input fails here with the block and the shapes named. ``split`` gives the cut points; by
+  default rank 0 times each block's forward + backward on that sample and balances the stages.
 - **One training step = one lock-step iteration.** The strategy's ``training_step`` runs the
   iteration (forwards, delayed backward, data-parallel gradient all-reduce, optimizer step through
   the precision plugin: gradient clipping and ``on_before_optimizer_step`` apply) and returns the
   loss as a detached tensor; its ``backward`` and ``optimizer_step`` do nothing more, so Lightning
-  sees a loss on every rank and there is no second backward. The user's ``training_step`` is *not*
-  called: the loss is ``module.pipeline_loss(output, target)`` if the module defines it, else
-  cross-entropy. Logged: ``train/loss`` (epoch mean over all batches and replicas; each rank
-  reports the losses of the batches it applied, which travel back with the gradients).
+  sees a loss on every rank and there is no second backward. The loss is
+  ``module.pipeline_loss(output, target)`` if the module defines it (batches ``(inputs, targets)``);
+  otherwise the last stage runs the user's own ``training_step(batch, batch_idx)`` with the network
+  (the blocks' ``nn.Sequential``, the single block, or ``forward`` for an ``nn.ModuleList``) replaced
+  by the pipeline's output for that batch, so the user's loss is exact; it must call the network
+  once on the batch's input, and its ``self.log`` calls are dropped (see
+  :mod:`lightning_hier.strategies._pipeline_loss`). Logged: ``train/loss`` (epoch mean over all
+  batches and replicas; each rank reports the losses of the batches it applied, which travel back
+  with the gradients).
 - **Epoch ends drain the pipeline** (``2K - 2`` extra iterations for ``fdg``, ``K - 1`` for
   ``ddg``, none for ``sync``) inside the epoch's last step, so every batch is applied exactly once,
   validation and checkpoints at epoch ends see a model with nothing in flight, and resuming from
@@ -54,9 +71,9 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, Precision
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 
 from lightning_hier import _validate as v
@@ -66,13 +83,13 @@ from lightning_hier.algorithms.decoupled import (
     WEIGHTS,
     DecoupledPipeline,
     IterationReport,
-    balanced_split,
     check_stage_count,
-    measure_block_costs,
 )
 from lightning_hier.comm import all_reduce_mean_, broadcast_object
 from lightning_hier.strategies import _pipeline_model as pm
 from lightning_hier.strategies._base import HierStrategy
+from lightning_hier.strategies._finite import all_finite
+from lightning_hier.strategies._pipeline_loss import TrainingStepLoss
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -90,6 +107,9 @@ class DecoupledStrategy(HierStrategy):
 
     Args:
         stages: Number of pipeline stages ``K``; the world size must be a multiple (``N = W / K``).
+            ``'auto'``: ``len(split) + 1`` when ``split`` is given, else the largest divisor of the
+            world size that is at most the number of blocks (chosen when the processes start and
+            logged; ``num_stages`` holds it).
         split: ``K - 1`` block indices where stages ``1 .. K-1`` start; ``None`` balances the
             stages by measured per-block time.
         schedule: ``'fdg'`` (fully decoupled, staleness ``2(K-1-k)``), ``'ddg'`` (locked forward,
@@ -98,7 +118,8 @@ class DecoupledStrategy(HierStrategy):
             (re-run the forward with current weights) or ``'legacy'`` (stored graph, current weights).
         beta: Gradient shrinking in ``(0, 1]``: stage ``k``'s gradients are scaled by ``beta ** (K-1-k)``.
         module_attr: Dotted path of the ``nn.Sequential`` / ``nn.ModuleList`` of blocks on the
-            LightningModule.
+            LightningModule (any other module there is one block); ``None`` finds it (see "The
+            model" above) or fails listing the candidates.
         **kwargs: See :class:`~lightning_hier.strategies._base.HierStrategy` (``timeout``,
             ``start_method``, ``process_group_backend``).
 
@@ -113,26 +134,33 @@ class DecoupledStrategy(HierStrategy):
 
     def __init__(
         self,
-        stages: int = 2,
+        stages: int | str = "auto",
         split: Sequence[int] | None = None,
         schedule: str = "fdg",
         weights: str = "stash",
         beta: float = 1.0,
-        module_attr: str = "net",
+        module_attr: str | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         owner = type(self).__name__
-        self.stages = v.check_int(owner, "stages", stages, minimum=1)
-        self.split = pm.check_split_argument(owner, split, self.stages)
+        self.stages: int | str = pm.check_stages_argument(owner, stages)
+        # K: known now when given (or implied by `split`), else chosen per rank once the model is known
+        self._num_stages: int | None = self.stages if isinstance(self.stages, int) else None
+        if self._num_stages is None and isinstance(split, list | tuple):
+            self._num_stages = len(split) + 1
+        self.split = pm.check_split_argument(owner, split, self._num_stages or 1)
         self.schedule = v.check_choice(owner, "schedule", schedule, SCHEDULES)
         self.weights = v.check_choice(owner, "weights", weights, WEIGHTS)
         self.beta = v.check_float(owner, "beta", beta, low=0.0, high=1.0, low_inclusive=False)
-        if not isinstance(module_attr, str) or not module_attr:
+        if module_attr is not None and (not isinstance(module_attr, str) or not module_attr):
             raise ValueError(
-                f"{owner}: argument `module_attr` must be a non-empty attribute path, got {module_attr!r}."
+                f"{owner}: argument `module_attr` must be None (find the blocks) or a non-empty attribute path, got "
+                f"{module_attr!r}."
             )
         self.module_attr = module_attr
+        self._found_attr: str | None = None
+        self._loss: TrainingStepLoss | None = None
         self.pipeline: DecoupledPipeline | None = None
         self.last_reports: list[IterationReport] = []
         """What every stage iteration of the latest training step did (for monitors and tests)."""
@@ -141,8 +169,36 @@ class DecoupledStrategy(HierStrategy):
         self._missing_on_load: list[str] = []
         self._example_input: Any = None
 
+    @property
+    def num_stages(self) -> int:
+        """``K``: the ``stages`` argument, or what ``'auto'`` chose (known once the processes started)."""
+        if self._num_stages is None:
+            raise RuntimeError("DecoupledStrategy: stages='auto' is decided when the processes start.")
+        return self._num_stages
+
     def _layout(self) -> dict[str, int]:
-        return {"pipe": self.stages}
+        return {"pipe": self._num_stages} if self._num_stages is not None else {}
+
+    def _resolve_layout(self) -> None:
+        if self._num_stages is not None:
+            return
+        module = self.lightning_module
+        assert module is not None
+        attr = self._blocks_attr()
+        blocks = len(pm.resolve_blocks(module, attr))
+        world = self.world_size
+        self._num_stages = max(k for k in range(1, min(blocks, world) + 1) if world % k == 0)
+        rank_zero_info(
+            f"decoupled: stages='auto' chose K={self._num_stages} stage(s) x N={world // self._num_stages} "
+            f"replica(s) for the {blocks} block(s) of `{attr}` on {world} processes."
+        )
+
+    def _blocks_attr(self) -> str:
+        """``module_attr``, or the path of the network found by the rule of :func:`find_network`."""
+        if self._found_attr is None:
+            assert self.lightning_module is not None
+            self._found_attr = pm.blocks_attr(self.lightning_module, self.module_attr)
+        return self._found_attr
 
     # ------------------------------------------------------------------ precision and sampling
     @property
@@ -177,17 +233,18 @@ class DecoupledStrategy(HierStrategy):
 
     def _cut_model(self, trainer: pl.Trainer) -> None:
         module: nn.Module = self.lightning_module  # type: ignore[assignment]
-        blocks = pm.resolve_blocks(module, self.module_attr)
-        pm.check_no_outside_parameters(module, self.module_attr)
+        attr = self._blocks_attr()
+        blocks = pm.resolve_blocks(module, attr)
+        pm.check_no_outside_parameters(module, attr)
         try:
-            check_stage_count(len(blocks), self.stages)
-            split = self._choose_split(trainer, blocks)
-            self._cut = pm.cut(
-                module, self.module_attr, split, self.stages, self.topology.coords(self.global_rank).pipe
-            )
+            check_stage_count(len(blocks), self.num_stages)
+            split = self._choose_split(trainer, blocks, attr)
+            self._cut = pm.cut(module, attr, split, self.num_stages, self.topology.coords(self.global_rank).pipe)
             self._split = self._cut.split
         except ValueError as err:
-            raise ValueError(f"DecoupledStrategy: {err}") from None
+            message = str(err)  # the helpers' messages may already name the strategy
+            prefix = "" if message.startswith("DecoupledStrategy") else "DecoupledStrategy: "
+            raise ValueError(f"{prefix}{message}") from None
         unexpected = [k for k in self._missing_on_load if k not in set(self._cut.foreign_keys())]
         if unexpected:
             raise ValueError(f"DecoupledStrategy: the checkpoint lacks this stage's entries {unexpected[:5]}.")
@@ -196,22 +253,23 @@ class DecoupledStrategy(HierStrategy):
         assert lightning_module is not None
         self._example_input, lightning_module.example_input_array = lightning_module.example_input_array, None
 
-    def _choose_split(self, trainer: pl.Trainer, blocks: pm.Container) -> tuple[int, ...]:
+    def _choose_split(self, trainer: pl.Trainer, blocks: pm.Container, attr: str) -> tuple[int, ...]:
         saved = self._restored.get("algorithm", {}).get("split") if self._restored is not None else None
-        if saved is not None:
-            if self.split is not None and tuple(self.split) != tuple(saved):
-                raise ValueError(f"split {list(self.split)} differs from the checkpoint's split {list(saved)}")
-            return tuple(saved)
-        if self.split is not None:
-            return self.split
-        if self.stages == len(blocks):
-            return tuple(range(1, self.stages))  # one block per stage: nothing to balance
+        if saved is not None and self.split is not None and tuple(self.split) != tuple(saved):
+            raise ValueError(f"split {list(self.split)} differs from the checkpoint's split {list(saved)}")
+        known = tuple(saved) if saved is not None else self.split
+        if known is None and self.num_stages == len(blocks):
+            known = tuple(range(1, self.num_stages))  # one block per stage: nothing to balance
+        # rank 0 checks the blocks on a sample input (and times them); every rank gets the same verdict
         module = self.lightning_module
         assert module is not None
-        sample = pm.sample_input(module, trainer, self.root_device) if self.global_rank == 0 else None
-        costs = measure_block_costs(list(blocks), sample) if sample is not None else None
-        split = balanced_split(costs, self.stages) if costs is not None else None
-        return tuple(broadcast_object(split, 0, torch.distributed.group.WORLD))
+        verdict = None
+        if self.global_rank == 0:
+            verdict = pm.probe_blocks(module, trainer, self.root_device, blocks, attr, self.num_stages, known is None)
+        split, error = broadcast_object(verdict, 0, torch.distributed.group.WORLD)
+        if error is not None:
+            raise ValueError(error)
+        return known if known is not None else tuple(split)
 
     def _setup_algorithm(self, trainer: pl.Trainer) -> None:
         module = self.lightning_module
@@ -243,21 +301,46 @@ class DecoupledStrategy(HierStrategy):
             schedule=self.schedule,
             weights=self.weights,
             beta=self.beta,
-            loss_fn=getattr(module, "pipeline_loss", F.cross_entropy),
+            loss_fn=self._loss_fn(module, coords.pipe == self.num_stages - 1),
             stats=self.comm_stats,
+            check_gradients=self._check_stage_gradients if self.check_finite else None,
         )
+
+    def _check_stage_gradients(self, grads: list[Tensor]) -> None:
+        if not all_finite(grads):
+            stage = self.topology.coords(self.global_rank).pipe
+            self._raise_non_finite("gradients", f" (pipeline stage {stage})")
+
+    def _loss_fn(self, module: pl.LightningModule, last: bool) -> Callable[[Tensor, Tensor | None], Tensor]:
+        """``module.pipeline_loss`` if defined, else the module's own training_step (see :mod:`._pipeline_loss`)."""
+        self._loss = None
+        pipeline_loss = getattr(module, "pipeline_loss", None)
+        if callable(pipeline_loss):
+            return pipeline_loss
+        assert self._cut is not None
+        container = self._cut.module.get_submodule(self._cut.attr)
+        network, name = (module, "forward") if isinstance(container, nn.ModuleList) else (container, self._cut.attr)
+        self._loss = TrainingStepLoss(module, network, name, last)
+        return self._loss
 
     # ------------------------------------------------------------------ one step = one iteration
     def training_step(self, *args: Any, **kwargs: Any) -> Tensor:
         batch = kwargs.get("batch", args[0] if args else None)
         batch_idx = int(kwargs.get("batch_idx", args[1] if len(args) > 1 else 0))
         pipe = self.pipeline
-        assert pipe is not None
+        if pipe is None:
+            raise RuntimeError(
+                "DecoupledStrategy: a training batch came after the fit was predicted to end and the stages "
+                "were reassembled into the whole model; the pipeline cannot go on. This is a bug in "
+                "lightning_hier.strategies._finish.ends_after_this_batch: please report the Trainer's "
+                "stopping arguments."
+            )
         reports: list[IterationReport] = []
         with self.precision_plugin.train_step_context():
             if batch_idx == 0 and pipe.in_flight:  # the previous epoch stopped early
                 reports += self._drain()
-            reports.append(pipe.step(batch, self._apply))
+            fed = self._loss.stage_input(batch, batch_idx) if self._loss is not None else batch
+            reports.append(pipe.step(fed, self._apply))
             if self._ends_epoch(batch_idx):
                 reports += self._drain()
         self.last_reports = reports
@@ -268,6 +351,8 @@ class DecoupledStrategy(HierStrategy):
         module = self.lightning_module
         assert module is not None
         self.precision_plugin.optimizer_step(self.optimizers[0], model=module, closure=_no_closure)
+        if self.check_finite:
+            self._check_module("parameters", lambda p: p)
 
     def _drain(self) -> list[IterationReport]:
         assert self.pipeline is not None
@@ -306,8 +391,8 @@ class DecoupledStrategy(HierStrategy):
     # ------------------------------------------------------------------ evaluation and the end of fit
     @contextmanager
     def _consensus(self) -> Iterator[None]:
-        if self._cut is None or self.pipeline is None:
-            yield
+        if self._cut is None or self.pipeline is None or self.num_stages == 1:
+            yield  # one stage holds the whole network: its ordinary forward is the staged one
             return
         module = self.lightning_module
         assert module is not None

@@ -19,13 +19,15 @@ from torchmetrics import Metric
 from lightning_hier import _validate as v
 from lightning_hier.algorithms.centers import CenterPolicy
 from lightning_hier.algorithms.grawa import DEFAULT_BETA, NORMS, VARIANTS, GradientWeightedCenter, probe_grad_norms
-from lightning_hier.strategies.averaging import AveragingStrategy, loss_of
+from lightning_hier.strategies._finite import loss_of
+from lightning_hier.strategies._probe import draw, first, fresh_batches_of, isolated_rng
+from lightning_hier.strategies.averaging import AveragingStrategy
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
     from lightning.fabric.strategies import _StrategyRegistry
 
-PROBES = ("batch", "step")
+PROBES = ("fresh", "batch", "step")
 
 
 class GrawaStrategy(AveragingStrategy):
@@ -45,22 +47,44 @@ class GrawaStrategy(AveragingStrategy):
         eps: Added to the norm before inverting, > 0 (a zero norm gives a large, finite weight).
         p: Exponent of the inverse norm, in (0, 8].
         norm: MGRAWA's model norm: ``'sum'`` of per-tensor norms (the authors' code) or ``'l2'``.
-        probe: Gradients whose norms weight the replicas, measured once per round: ``'batch'`` (a
-            separate forward/backward of ``training_step`` on the round's last training batch at
-            the current weights; logging, torchmetrics states, BatchNorm statistics and the
-            optimizer's gradients are left untouched) or ``'step'`` (the gradients of the step
-            that closes the round, at no extra cost; use it when ``training_step`` has other side
-            effects).
+        probe: Gradients whose norms weight the replicas, measured once per round (and for the
+            final round of a partial last period), each a side computation that leaves logging,
+            torchmetrics states, BatchNorm statistics and the optimizer's gradients untouched:
+
+            - ``'fresh'`` (default; the authors' code): one extra forward/backward of
+              ``training_step`` at the current weights on a batch drawn from the *whole* training
+              set, independently of the rank's shard: each rank draws, from its training
+              DataLoader's dataset (a dict or list of DataLoaders, and datamodules, work too), a
+              batch of the training batch size, collated and moved to the device as in training.
+              The draws and every random number of the probe (augmentation, dropout) are seeded by
+              ``(probe_seed, rank, step)``, and the training RNG stream and DataLoader are left
+              where they were; so nothing extra is checkpointed and a resume draws the same
+              batches. Needs a map-style dataset. Cost per round: fetching one batch plus one
+              forward/backward.
+            - ``'batch'``: the same on the round's last training batch, the one the rank has just
+              stepped on. Cheaper to fetch, but the norm then rewards a replica for fitting its own
+              batch: on label-skewed shards it favours the worse replica (measured below).
+            - ``'step'``: the gradients of the step that closed the round, free, with the same bias
+              as ``'batch'``; use it when ``training_step`` has other side effects.
+
+            Measured (2 CPU ranks, 3 seeds, validation accuracy at equal epochs, mean): with
+            label-skewed shards (each rank 80% of its five classes), MNIST 8k/2k MLP, 2 epochs,
+            tau 16: MGRAWA 0.928 fresh / 0.891 batch / 0.891 step, LGRAWA 0.930 / 0.890 / 0.890;
+            digits MLP, 4 epochs, tau 8: 0.969 / 0.971 / 0.972 and 0.968 / 0.971 / 0.972. With
+            i.i.d. shards all three agree within 0.005 on both.
+        probe_seed: Base seed of the fresh probe batches (``probe='fresh'``), >= 0.
         sync_buffers: Average floating-point buffers (BatchNorm statistics) uniformly at every round.
         bucket_size_mb: Size bound of the flat buffers reduced in one call (MiB).
         **kwargs: See :class:`~lightning_hier.strategies._base.HierStrategy`.
 
-    The consensus model (validation during fit, checkpoints' ``state_dict``, every rank's model
-    after fit) is the center: the replicas weighted with the latest round's weights. Not offered:
-    evaluating the uniform average with BatchNorm statistics recomputed over the training set
-    (the authors' code also does this; it costs a pass over the data), and the paper's
-    "asynchronous" step-budget rounds (under Lightning every rank takes the same number of steps,
-    so it coincides with the synchronous form).
+    The consensus model (validation during fit, checkpoints' ``state_dict``) is the center: the
+    replicas weighted with the latest round's weights. At the end of fit, a partial last period
+    (or a fit shorter than ``tau``) gets a final round: a new probe of the trained replicas, its
+    weights, and every rank's model becomes their center. Not offered: evaluating the uniform
+    average with BatchNorm statistics recomputed over the training set (the authors' code also
+    does this; it costs a pass over the data), and the paper's "asynchronous" step-budget rounds
+    (under Lightning every rank takes the same number of steps, so it coincides with the
+    synchronous form).
 
     Example:
         >>> import lightning.pytorch as pl
@@ -81,7 +105,8 @@ class GrawaStrategy(AveragingStrategy):
         eps: float = 1e-8,
         p: float = 1.0,
         norm: str = "sum",
-        probe: str = "batch",
+        probe: str = "fresh",
+        probe_seed: int = 0,
         sync_buffers: bool = True,
         bucket_size_mb: float = 25.0,
         **kwargs: Any,
@@ -94,6 +119,8 @@ class GrawaStrategy(AveragingStrategy):
         self.p = v.check_float(owner, "p", p, 0.0, 8.0, low_inclusive=False)
         self.norm = v.check_choice(owner, "norm", norm, NORMS)
         self.probe = v.check_choice(owner, "probe", probe, PROBES)
+        self.probe_seed = v.check_int(owner, "probe_seed", probe_seed, minimum=0)
+        self._fresh: Any = None  # the FreshBatches of every training DataLoader (probe='fresh')
         self._configure(tau, lam, rho, sync_buffers, bucket_size_mb)
 
     @classmethod
@@ -105,23 +132,57 @@ class GrawaStrategy(AveragingStrategy):
     def _policy(self) -> CenterPolicy:
         return GradientWeightedCenter(self.variant, self.beta, self.eps, self.p, self.norm)
 
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        module = self.lightning_module
+        if self.probe == "fresh" and module is not None:
+            # the training DataLoaders exist from here on (Lightning set them up before this hook)
+            loaders = module.trainer.train_dataloader
+            self._fresh = fresh_batches_of(loaders, self.probe_seed, self.global_rank, type(self).__name__)
+
     def _norms(self) -> Callable[[], Tensor] | None:
         if self.probe == "step" or self.algorithm is None:
             return None
         params, module = self.algorithm.flat.tensors, self.lightning_module
         assert module is not None
-        return lambda: probe_grad_norms(params, self._probe_loss, module.buffers())
+        loss = self._fresh_probe_loss if self.probe == "fresh" else self._batch_probe_loss
+        return lambda: probe_grad_norms(params, loss, module.buffers())
 
-    def _probe_loss(self) -> Tensor:
-        """The training loss of the round's last batch at the current weights, without side effects."""
-        module = self.lightning_module
-        if self._step_args is None or module is None:
+    def _batch_probe_loss(self) -> Tensor:
+        """The training loss of the round's last batch at the current weights (probe='batch')."""
+        if self._step_args is None:
             raise RuntimeError("GrawaStrategy(probe='batch'): no training batch seen yet.")
         args, kwargs = self._step_args
+        return self._training_loss(args, kwargs)
+
+    def _fresh_probe_loss(self) -> Tensor:
+        """The training loss of a batch drawn from the whole training set (probe='fresh').
+
+        The batch and every random draw of the probe (augmentation, dropout) come from the seed of
+        ``(probe_seed, rank, optimizer steps so far)``; the training RNG streams are put back after.
+        """
+        if self._fresh is None or self.algorithm is None:
+            raise RuntimeError("GrawaStrategy(probe='fresh'): the training DataLoaders are not set up yet.")
+        step = self.algorithm.schedule.steps
+        with isolated_rng(first(self._fresh).seed_for(step)):
+            batch = self.batch_to_device(draw(self._fresh, step))  # the module's transfer hooks, as in training
+            rest: tuple[Any, ...] = (0,)  # batch_idx: that of the latest training batch when there is one
+            kwargs: dict[str, Any] = {}
+            if self._step_args is not None:
+                (_, *others), kwargs = self._step_args
+                rest = tuple(others)
+            return self._training_loss((batch, *rest), kwargs)
+
+    def _training_loss(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tensor:
+        """``training_step(*args, **kwargs)``'s loss, as a side computation (nothing logged, metrics kept)."""
+        module = self.lightning_module
+        assert module is not None
         with _side_effect_free(module), self.precision_plugin.train_step_context():
             loss = loss_of(module.training_step(*args, **kwargs))
         if loss is None:
-            raise RuntimeError("GrawaStrategy(probe='batch'): training_step returned no loss tensor; use probe='step'.")
+            raise RuntimeError(
+                f"GrawaStrategy(probe={self.probe!r}): training_step returned no loss tensor; use probe='step'."
+            )
         return loss
 
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
@@ -36,6 +37,13 @@ from lightning_hier.planner import Link, Links, best_grid, format_table, measure
 from lightning_hier.rng import capture_rng, restore_rng
 from lightning_hier.strategies import _checkpoint as ckpt
 from lightning_hier.strategies._base import HierStrategy, _ReportingLauncher
+from lightning_hier.strategies._user_model import (
+    defines_forward,
+    describe,
+    find_network,
+    first_input,
+    first_training_batch,
+)
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -55,14 +63,23 @@ class Grid2DStrategy(HierStrategy):
     sharded over the BATCH group (size Pc) only: every rank of a MODEL group sees the same batch,
     so the DataLoader's ``batch_size`` is the batch of one MODEL group and the global batch is
     ``batch_size * Pc``. After backward, gradients are reduced by parameter kind (sharded and
-    replicated: mean over BATCH; slab-partial: sum over MODEL, then mean over BATCH).
+    replicated: mean over BATCH; slab-partial: sum over MODEL, then mean over BATCH). Layers that
+    must stay whole are left unconverted (replicated, exact outside the convolutional part): tied
+    parameters (an embedding tied to the output Linear), weights their parent reads directly
+    (``nn.MultiheadAttention.out_proj``, any Linear/Conv2d the traced forward never calls); see
+    :mod:`lightning_hier.layers.replicated`. ``nn.TransformerEncoderLayer`` keeps its attention whole
+    and shards its MLP.
 
     Args:
         grid: ``(Pr, Pc)`` with ``Pr * Pc`` = number of processes, or ``'auto'``: every candidate
             is costed by :func:`lightning_hier.planner.best_grid` for this model, input shape and
-            DataLoader batch size (found with ``lightning_getattr``: ``batch_size`` and
-            ``input_shape`` on the module, its hparams or the datamodule, or
-            ``example_input_array``), choosing the least communication time per sample.
+            DataLoader batch size, choosing the least communication time per sample. Both are
+            found with ``lightning_getattr`` (``batch_size`` and ``input_shape`` on the module, its
+            hparams or the datamodule, or ``example_input_array``) when the processes start;
+            otherwise in ``setup`` from the first training batch (its input: the batch itself, its
+            first element or first dict value), after which the grid's groups are built. The model
+            is traced through its ``forward``, or, for a module without one, through its network
+            (found like :class:`~lightning_hier.strategies.DecoupledStrategy`'s blocks).
         alpha: Seconds per message for ``'auto'``; ``None`` measures it on the live groups (then
             the choice may differ between runs: give both for a reproducible layout).
         beta: Seconds per word for ``'auto'``; ``None`` measures it.
@@ -107,6 +124,7 @@ class Grid2DStrategy(HierStrategy):
         self.comm_stats = self.grid_stats
         self.grid_context: GridContext | None = None
         self.reducer: GradientReducer | None = None
+        self._first_input: Tensor | None = None
 
     # ------------------------------------------------------------------ layout
     @property
@@ -134,37 +152,104 @@ class Grid2DStrategy(HierStrategy):
             return
         module = self.lightning_module
         batch, shape = _lookup(module, "batch_size"), _input_shape(module)
-        if module is None or batch is None or shape is None:  # before any process group work: fail clearly
-            raise ValueError(
-                f"{type(self).__name__}(grid='auto') needs the DataLoader batch size and the input shape: set "
-                "`batch_size` and `input_shape` on the LightningModule or its datamodule (or `example_input_array`), "
-                "or give grid=(Pr, Pc)."
-            )
+        if batch is not None and shape is not None:
+            self._choose_grid(int(batch), shape)
+        # else: setup() decides from the first training batch (a DataModule is set up only then);
+        # until then the groups are those of the pure batch grid (1, W), which need no new groups
+
+    def _choose_grid(self, batch: int, shape: tuple[int, ...], source: str = "") -> None:
+        module = self.lightning_module
+        assert module is not None
         links: Link | Callable[[int, int], Links]
         if self.alpha is None or self.beta is None:
             links = measure_links(self.num_nodes)
         else:
             links = Link(self.alpha, self.beta)
+        network = _network_path(module)
+        if network is None:
+            try:
+                find_network(module)
+            except ValueError as err:
+                raise ValueError(
+                    f"{type(self).__name__}(grid='auto') costs the network on its input, but {type(module).__name__} "
+                    f"defines no forward and {err}; define forward, or give grid=(Pr, Pc)."
+                ) from None
         try:
-            layers = model_layers(module, shape)
+            layers = model_layers(module.get_submodule(network or ""), shape)
         except Exception as err:
+            what = f"{type(module).__name__}.{network}" if network else type(module).__name__
             raise ValueError(
-                f"{type(self).__name__}(grid='auto') traces the model on one zero sample of shape {shape}, and its "
-                f"forward failed ({type(err).__name__}: {err}); give grid=(Pr, Pc)."
+                f"{type(self).__name__}(grid='auto') traces {what} on one zero sample of shape {list(shape)}{source}, "
+                f"and its forward failed ({type(err).__name__}: {err}); give grid=(Pr, Pc)."
             ) from err
         kwargs: dict[str, Any] = {"links": links, "batch_scope": "replica", "max_model": self.max_model}
-        plan = best_grid(layers, int(batch), self.world_size, **kwargs)
+        plan = best_grid(layers, batch, self.world_size, **kwargs)
         pr = int(broadcast_object(plan.pr, 0, dist.group.WORLD))  # measured links may differ per rank
         self._grid = (pr, self.world_size // pr)
         if self.global_rank == 0:
-            table = format_table(plan_grids(layers, int(batch), self.world_size, **kwargs))
+            table = format_table(plan_grids(layers, batch, self.world_size, **kwargs))
             rank_zero_info(f"grid2d: grid='auto' chose Pr x Pc = {pr} x {self.world_size // pr}\n{table}")
+
+    def _grid_from_first_batch(self, trainer: pl.Trainer) -> None:
+        """Decide grid='auto' from the first training batch, then build the grid's groups."""
+        module = self.lightning_module
+        assert module is not None
+        if trainer.state.fn != TrainerFn.FITTING:
+            self._grid = (1, self.world_size)  # nothing to cost outside fit: pure batch parallelism
+            return
+        batch = first_training_batch(module, trainer, self.root_device)
+        x = first_input(batch)
+        if x is None or x.dim() < 1:
+            raise ValueError(
+                f"{type(self).__name__}(grid='auto') needs the DataLoader batch size and the input shape. Not set "
+                "(`batch_size` and `input_shape` on the LightningModule, its hparams or datamodule, or "
+                f"`example_input_array`), and the first training batch is {describe(batch)}, with no input tensor "
+                "first. Set them, or give grid=(Pr, Pc)."
+            )
+        self._first_input = x[:1]
+        batch_size = _lookup(module, "batch_size")
+        shape = _input_shape(module) or tuple(x.shape[1:])
+        self._choose_grid(int(batch_size or x.shape[0]), shape, " (from the first training batch)")
+        if self._grid != (1, self.world_size):
+            self._groups = self.topology.build(self.global_rank, timeout=self._init_timeout)
+            self._set_collective_timeout()
+            self.grid_context = GridContext.from_groups(self.groups, self.grid_stats)
 
     def setup_environment(self) -> None:
         super().setup_environment()
         self.grid_context = GridContext.from_groups(self.groups, self.grid_stats)
 
+    def setup(self, trainer: pl.Trainer) -> None:
+        if self._grid is None:
+            self._grid_from_first_batch(trainer)
+        super().setup(trainer)
+
     # ------------------------------------------------------------------ model set-up
+    def _example(self, module: Any, network: str | None) -> Tensor | None:
+        """A one-sample input of the traced network (to check every layer at conversion), if known."""
+        if network is None:
+            return None
+        shape = _input_shape(module)
+        if shape is not None:
+            ref = next(iter(module.parameters()), None)
+            example = torch.zeros(1, *shape, dtype=ref.dtype if ref is not None else None)
+        elif self._first_input is not None:
+            example = self._first_input
+        else:
+            return None
+        try:
+            trace_shapes(module.get_submodule(network), example)
+        except Exception as err:  # e.g. training_step reshapes the input first: the layers check at run time
+            what = f"{type(module).__name__}.{network}" if network else type(module).__name__
+            log.warning(
+                "grid2d: cannot trace %s on an input of shape %s (%s); layers check at run time.",
+                what,
+                list(example.shape),
+                err,
+            )
+            return None
+        return example
+
     @property
     def restore_checkpoint_after_setup(self) -> bool:
         return True  # the per-rank states are of the grid model, which exists only after setup
@@ -175,7 +260,8 @@ class Grid2DStrategy(HierStrategy):
         if not is_grid_model(module):
             with torch.no_grad():  # every rank shards the same (rank 0's) network
                 broadcast_([t.data for t in [*module.parameters(), *module.buffers()]], 0, dist.group.WORLD)
-            to_grid(module, self.grid_context, _example(module))
+            network = _network_path(module)
+            to_grid(module, self.grid_context, self._example(module, network), network or "")
         return model
 
     def _sync_initial_state(self) -> None:
@@ -290,18 +376,11 @@ def _input_shape(module: Any) -> tuple[int, ...] | None:
     return tuple(int(s) for s in shape) if shape is not None else None
 
 
-def _example(module: Any) -> Tensor | None:
-    """A one-sample input the module's forward accepts (to check every layer at conversion), if known."""
-    shape = _input_shape(module)
-    if shape is None:
-        return None
-    ref = next(iter(module.parameters()), None)
-    example = torch.zeros(1, *shape, dtype=ref.dtype if ref is not None else None)
+def _network_path(module: Any) -> str | None:
+    """Where to trace: ``""`` (the module's own forward), the network's path, or ``None`` (unknown)."""
+    if defines_forward(module):
+        return ""
     try:
-        trace_shapes(module, example)
-    except Exception as err:  # e.g. a forward that takes a dict: the layers then check at run time
-        log.warning(
-            "grid2d: cannot trace the model on an input of shape %s (%s); layers check at run time.", shape, err
-        )
+        return find_network(module)
+    except ValueError:
         return None
-    return example

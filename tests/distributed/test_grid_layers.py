@@ -19,6 +19,7 @@ from lightning_hier.layers import (
     GradientReducer,
     GridCommStats,
     GridContext,
+    GridLinear,
     full_state_dict,
     to_grid,
 )
@@ -189,9 +190,65 @@ def _bytes(g: GridContext) -> dict[str, float]:
     return {f"bytes {k}": abs(measured.get(k, 0.0) / 8 - predicted.get(k, 0.0)) for k in kinds}
 
 
+class _TiedLM(nn.Module):
+    """Token embedding tied to the output layer (the tie must survive conversion)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.mix, self.head = nn.Embedding(8, 6), nn.Linear(6, 6), nn.Linear(6, 8)
+        self.head.weight = self.emb.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.mix(self.emb(tokens))))
+
+
+def _tied(g: GridContext) -> dict[str, float]:
+    """Tied weights stay one parameter (kept whole) and get the exact gradient."""
+    torch.manual_seed(6)
+    ref = _TiedLM()
+    tokens = torch.randint(0, 8, (B * g.pc, 5))
+    net = to_grid(copy.deepcopy(ref), g, tokens[:1])
+    assert net.head.weight is net.emb.weight and type(net.head) is nn.Linear, "the tie was broken"
+    F.cross_entropy(ref(tokens).flatten(0, 1), tokens.flatten()).backward()
+    out = net(_block(tokens, g))
+    F.cross_entropy(out.flatten(0, 1), _block(tokens, g).flatten()).backward()
+    GradientReducer(net, g).reduce()
+    return {"tied out": _max(out, _block(ref(tokens), g))} | _grad_errors(net, ref, g, "tied")
+
+
+class _Encoder(nn.Module):
+    """A transformer encoder layer and a head: attention stays whole, the MLP and head are sharded."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.TransformerEncoderLayer(8, 2, 12, dropout=0.0, batch_first=True)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.layer(x)).mean(1)
+
+
+def _transformer(g: GridContext) -> dict[str, float]:
+    """TransformerEncoderLayer: training outputs and gradients, then inference (its fused fast path)."""
+    torch.manual_seed(7)
+    ref = _Encoder()
+    x, y = torch.randn(B * g.pc, 5, 8), torch.randint(0, 4, (B * g.pc,))
+    net = to_grid(copy.deepcopy(ref), g, x[:1])
+    kept, sharded = net.layer.self_attn.out_proj, net.layer.linear1
+    assert not isinstance(kept, GridLinear) and isinstance(sharded, GridLinear), "out_proj sharded or MLP kept"
+    F.cross_entropy(ref(x), y).backward()
+    out = net(_block(x, g))
+    F.cross_entropy(out, _block(y, g)).backward()
+    GradientReducer(net, g).reduce()
+    errs = {"encoder out": _max(out, _block(ref(x), g))} | _grad_errors(net, ref, g, "encoder")
+    with torch.no_grad():
+        errs["encoder eval out"] = _max(net.eval()(_block(x, g)), _block(ref.eval()(x), g))
+    return errs
+
+
 def _all_checks(pr: int) -> dict[str, float]:
     g = _grid(pr)
-    errs = _fc_stack(g) | _batchnorm(g) | _transition(g) | _sgd_steps(g) | _bytes(g)
+    errs = _fc_stack(g) | _batchnorm(g) | _transition(g) | _sgd_steps(g) | _bytes(g) | _tied(g) | _transformer(g)
     for k, stride, first in [(1, 1, False), (3, 1, False), (5, 1, False), (3, 2, False), (3, 1, True)]:
         errs |= _conv(g, k, stride, first)
     return errs

@@ -82,7 +82,7 @@ class _Reference:
                 step += 1
                 if step % self.tau == 0:
                     self._round(batches)
-        self._finalize(step % self.tau == 0)
+        self._finalize(step % self.tau == 0, batches)
         return torch.cat([p.detach().reshape(-1) for p in self.params(0)])
 
     def _set(self, r: int, values: list[torch.Tensor]) -> None:
@@ -134,12 +134,15 @@ class _Reference:
             self._set(r, _toward(xs[r], c, self.lam))
         self.center = c
 
-    def _finalize(self, just_synced: bool) -> None:
-        if self.name == "easgd" or just_synced:
+    def _finalize(self, just_synced: bool, batches: list) -> None:
+        if self.name == "easgd":  # the center catches up with the replicas: their mean
+            final = [sum(self.params(r)[i].detach() for r in range(W)) / W for i in range(len(self.center))]
+        elif just_synced:
             final = self.center
         elif self.name == "lsgd":
-            final = [p.detach().clone() for p in self.params(self._leader(fresh=False))]
-        else:
+            final = [p.detach().clone() for p in self.params(self._leader(fresh=True))]
+        else:  # a final round over the partial period: new weights from a probe of the trained replicas
+            self._grawa_weights(batches)
             final = self._weighted_center()
         for r in range(W):
             self._set(r, final)

@@ -14,6 +14,8 @@ CASES = [
     ("grawa", {"variant": "layer", "tau": 5, "rho": 0.1, "probe": "batch"}, False),
     # saved inside validation, while the module holds the center: the replicas must be stored
     ("grawa", {"variant": "layer", "tau": 5, "rho": 0.1, "probe": "batch"}, True),
+    # fresh probe batches (with augmentation and dropout) seeded apart from training: nothing to save
+    ("grawa", {"variant": "layer", "tau": 5, "rho": 0.1, "probe": "fresh"}, False),
     ("easgd", {"tau": 5, "rho": 0.05}, False),
     ("lsgd", {"tau": 5}, False),
 ]
@@ -51,7 +53,11 @@ def _expected_consensus(name: str, ranks: list[dict]) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize(
-    ("name", "kwargs", "in_validation"), CASES, ids=[c[0] + ("-inside-validation" if c[2] else "") for c in CASES]
+    ("name", "kwargs", "in_validation"),
+    CASES,
+    ids=[
+        c[0] + (f"-{c[1]['probe']}" if "probe" in c[1] else "") + ("-inside-validation" if c[2] else "") for c in CASES
+    ],
 )
 def test_resume_is_bit_identical_and_the_checkpoint_holds_replicas_center_and_state(
     name, kwargs, in_validation, tmp_path

@@ -96,3 +96,27 @@ def test_the_error_names_rank_step_and_what():
     err = NonFiniteError("msg", rank=3, step=7, what="loss")
     assert (err.rank, err.step, err.what) == (3, 7, "loss")
     assert isinstance(err, FloatingPointError)
+
+
+def _fit_decoupled_poisoned() -> None:
+    from lightning_hier import DecoupledStrategy
+    from tests.helpers import digits, digits_classifier
+
+    module = digits_classifier(hidden=(32, 32))
+    calls = {"n": 0}
+
+    def poison(_: Any, __: Any, output: torch.Tensor) -> torch.Tensor:
+        calls["n"] += 1
+        return output * float("nan") if calls["n"] == BAD_BATCH else output
+
+    module.net[-1].register_forward_hook(poison)  # the last block lives on stage 1 = rank 1
+    strategy = DecoupledStrategy(stages=2, module_attr="net", check_finite=True, timeout=30)
+    trainer(strategy=strategy, max_epochs=1, limit_train_batches=8, limit_val_batches=0).fit(
+        module, datamodule=digits(batch_size=16)
+    )
+
+
+def test_decoupled_checks_a_stages_gradients_before_they_travel():
+    with pytest.raises(WorkerFailed, match=rf"rank {BAD_RANK} has non-finite gradients .*\(pipeline stage 1\)") as err:
+        run_workers(_fit_decoupled_poisoned, devices=2, timeout=90)
+    assert err.value.rank == BAD_RANK

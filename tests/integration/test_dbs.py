@@ -1,5 +1,7 @@
 """DBS under a real Trainer: single-process equivalence, straggler balancing, DDP parity, resume, errors."""
 
+import re
+
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -35,7 +37,7 @@ def _model() -> Classifier:
     return Classifier(mlp((1, 8, 8), 10, hidden=(16,)), 10, lr=0.05, momentum=0.9, nesterov=False)
 
 
-def _fit_dbs(accumulate: int, distributed_sampler: bool) -> dict:
+def _fit_dbs(accumulate: int, distributed_sampler: bool, n: int = N, drop_last: bool = False) -> dict:
     pl.seed_everything(SEED, verbose=False)  # the seed of the data order (as for DistributedSampler)
     module, sizes = _model(), BatchSizes()
     strategy = DBSStrategy(global_batch_size=B, rebalance_every=2, warmup_steps=1, timeout=30)
@@ -46,23 +48,27 @@ def _fit_dbs(accumulate: int, distributed_sampler: bool) -> dict:
         use_distributed_sampler=distributed_sampler,
         callbacks=[Straggler(ranks=1, factor=3.0), sizes],
     )
-    loader = DataLoader(TensorDataset(*_data()), batch_size=5, shuffle=distributed_sampler)
+    x, y = _data()
+    loader = DataLoader(TensorDataset(x[:n], y[:n]), batch_size=5, shuffle=distributed_sampler, drop_last=drop_last)
     t.fit(module, loader)
     assert strategy.algorithm is not None
     return {"params": flat_params(module), "history": strategy.algorithm.history, "sizes": sizes.sizes}
 
 
-def _reference(accumulate: int, shuffle: bool) -> torch.Tensor:
-    """Single-process SGD on global batches of B consecutive samples of each epoch's permutation."""
+def _reference(accumulate: int, shuffle: bool, n: int = N, drop_last: bool = False) -> torch.Tensor:
+    """Single-process SGD on global batches of B consecutive samples of each epoch's permutation.
+
+    With ``drop_last=False`` the last step of an epoch uses the ``n mod B`` samples left.
+    """
     module = _model()
     net, (x, y) = module.net, _data()
     opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
-    steps = N // B
+    steps = n // B if drop_last else -(-n // B)
     for epoch in range(EPOCHS):
         g = torch.Generator().manual_seed(SEED + epoch)
-        order = torch.randperm(N, generator=g) if shuffle else torch.arange(N)
+        order = torch.randperm(n, generator=g) if shuffle else torch.arange(n)
         for k in range(steps):
-            idx = order[k * B : (k + 1) * B]
+            idx = order[k * B : (k + 1) * B]  # the last slice is shorter when n mod B > 0
             (torch.nn.functional.cross_entropy(net(x[idx]), y[idx]) / accumulate).backward()
             if (k + 1) % accumulate == 0 or k == steps - 1:  # Lightning's accumulation windows
                 opt.step()
@@ -70,22 +76,67 @@ def _reference(accumulate: int, shuffle: bool) -> torch.Tensor:
     return flat_params(module)
 
 
-@pytest.mark.parametrize(("accumulate", "distributed_sampler"), [(1, True), (2, False)])
-def test_fit_with_changing_splits_equals_single_process_sgd(accumulate, distributed_sampler):
-    out = run_workers(_fit_dbs, accumulate, distributed_sampler, devices=2)
-    ref = _reference(accumulate, shuffle=distributed_sampler)
+@pytest.mark.parametrize(
+    ("accumulate", "distributed_sampler", "n", "drop_last"),
+    [
+        (1, True, N, True),  # 8 full global batches per epoch, the 8 samples left are skipped
+        (2, False, N, True),
+        (1, True, N, False),  # + a last global batch of 8 samples, split by the shares
+        (2, False, 190, False),  # 7 full + 22 samples: one step mixes a full and the last, smaller batch
+    ],
+)
+def test_fit_with_changing_splits_equals_single_process_sgd(accumulate, distributed_sampler, n, drop_last):
+    out = run_workers(_fit_dbs, accumulate, distributed_sampler, n, drop_last, devices=2)
+    ref = _reference(accumulate, distributed_sampler, n, drop_last)
     for o in out:
         torch.testing.assert_close(o["params"], ref, atol=1e-5, rtol=0)
     r0, r1 = out
     assert r0["history"] == r1["history"]  # every rank computed the same splits
     assert any(h["sizes"] != [12, 12] for h in r0["history"])  # the splits did change
-    steps = EPOCHS * (N // B)
-    assert len(r0["sizes"]) == len(r1["sizes"]) == steps
-    assert [a + b for a, b in zip(r0["sizes"], r1["sizes"], strict=True)] == [B] * steps
+    full, rest = divmod(n, B)
+    per_epoch = full + (0 if drop_last or not rest else 1)
+    assert len(r0["sizes"]) == len(r1["sizes"]) == EPOCHS * per_epoch
+    totals = [a + b for a, b in zip(r0["sizes"], r1["sizes"], strict=True)]
+    for epoch in range(EPOCHS):
+        steps = totals[epoch * per_epoch : (epoch + 1) * per_epoch]
+        assert steps[:full] == [B] * full
+        if per_epoch > full:  # the last batch: its rest, or a stand-in sample on a rank without one
+            assert steps[-1] in (rest, rest + 1)
     if accumulate == 2:  # a split never changes inside an accumulation window
         for epoch in range(EPOCHS):
-            sizes = r1["sizes"][epoch * 8 : (epoch + 1) * 8]
-            assert all(sizes[i] == sizes[i + 1] for i in range(0, 8, 2))
+            sizes = r1["sizes"][epoch * per_epoch : epoch * per_epoch + full]
+            assert all(sizes[i] == sizes[i + 1] for i in range(0, full - 1, 2))
+
+
+def _fit_fixed_split(accumulate: int, n: int, initial_sizes: list[int]) -> dict:
+    """A fit that keeps ``initial_sizes`` (no rebalance) on ``n`` samples with drop_last=False."""
+    pl.seed_everything(SEED, verbose=False)
+    module, sizes = _model(), BatchSizes()
+    strategy = DBSStrategy(initial_sizes=initial_sizes, rebalance_every=10**6, timeout=30)
+    t = trainer(strategy=strategy, max_epochs=EPOCHS, accumulate_grad_batches=accumulate, callbacks=[sizes])
+    x, y = _data()
+    t.fit(module, DataLoader(TensorDataset(x[:n], y[:n]), batch_size=5, shuffle=True))
+    return {"params": flat_params(module), "sizes": sizes.sizes}
+
+
+@pytest.mark.parametrize(
+    ("accumulate", "n", "last"),
+    [
+        # 171 = 7 x 24 + 3: the last global batch of 3 splits [20, 4] into [3, 0]; rank 1 runs the step
+        # on a stand-in sample (its batch has 1 sample) with weight 0
+        (1, 171, [3, 1]),
+        (2, 171, [3, 1]),  # and that step shares an accumulation window with a full one
+        (1, 10, [8, 2]),  # fewer samples than one global batch: one smaller step per epoch
+    ],
+)
+def test_last_smaller_batch_equals_single_process_sgd_also_with_a_rank_without_samples(accumulate, n, last):
+    out = run_workers(_fit_fixed_split, accumulate, n, [20, 4], devices=2)
+    ref = _reference(accumulate, shuffle=True, n=n, drop_last=False)
+    for o in out:
+        torch.testing.assert_close(o["params"], ref, atol=1e-5, rtol=0)
+    full = n // 24
+    assert out[0]["sizes"] == ([20] * full + [last[0]]) * EPOCHS  # initial_sizes holds: no rebalance
+    assert out[1]["sizes"] == ([4] * full + [last[1]]) * EPOCHS
 
 
 def _conv_classifier() -> Classifier:
@@ -220,6 +271,72 @@ def test_bad_arguments_fail_at_construction(kwargs, match):
 def test_batch_too_small_or_large_for_the_world_fails_when_the_trainer_is_built(kwargs, match):
     with pytest.raises(ValueError, match=match):
         pl.Trainer(strategy=DBSStrategy(**kwargs), accelerator="cpu", devices=4, logger=False)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"initial_sizes": [8, 0]}, r"`initial_sizes` must be a non-empty list of per-rank batch sizes, integers >= 1"),
+        ({"initial_sizes": [8, 2.5]}, r"integers >= 1, got \[8, 2.5\]"),
+        ({"initial_sizes": []}, "non-empty list"),
+        ({"initial_sizes": 8}, "got 8"),
+        ({"initial_sizes": [8, 3], "min_batch_size": 4}, r"integers >= 4, got \[8, 3\]"),
+        ({"initial_sizes": [8, 3], "max_batch_size": 6}, r"integers >= 1 and <= 6"),
+        (
+            {"initial_sizes": [8, 4], "global_batch_size": 16},
+            r"must sum to the global batch 16, got \[8, 4\] \(sum 12\)",
+        ),
+    ],
+)
+def test_bad_initial_sizes_fail_at_construction(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        DBSStrategy(**kwargs)
+
+
+def test_initial_sizes_of_the_wrong_length_fail_when_the_trainer_is_built():
+    with pytest.raises(ValueError, match=r"one batch size per data-parallel rank \(4\), got 3: \[8, 4, 4\]"):
+        pl.Trainer(strategy=DBSStrategy(initial_sizes=[8, 4, 4]), accelerator="cpu", devices=4, logger=False)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "batch_size", "match"),
+    [
+        (
+            {},
+            16,
+            r"the training dataset has 20 samples, fewer than one global batch of 32 \(`global_batch_size`=None "
+            r"gives the DataLoader's batch_size 16 x 2 ranks = 32\), and the DataLoader has drop_last=True, so no "
+            r"step would run. To train, lower the DataLoader's batch_size or set `global_batch_size`, or use a "
+            r"DataLoader with drop_last=False",
+        ),
+        (
+            {"global_batch_size": 24},
+            4,
+            r"global batch of 24 \(argument `global_batch_size`=24\).* lower `global_batch_size`",
+        ),
+        ({"initial_sizes": [20, 4]}, 4, r"\(argument `initial_sizes`=\[20, 4\] \(sum 24\)\).* lower `initial_sizes`"),
+    ],
+)
+def test_a_dataset_smaller_than_one_global_batch_fails_in_the_main_process(kwargs, batch_size, match):
+    x, y = _data()
+    loader = DataLoader(TensorDataset(x[:20], y[:20]), batch_size=batch_size, drop_last=True)
+    t = trainer(strategy=DBSStrategy(start_method="fork", timeout=30, **kwargs))
+    # a ValueError here, not a child's ProcessRaisedException: raised before the ranks are forked
+    with pytest.raises(ValueError, match=match):
+        t.fit(_model(), loader)
+
+
+def test_a_datamodule_smaller_than_one_global_batch_fails_on_every_rank_with_the_same_message():
+    def fit() -> None:
+        trainer(strategy=DBSStrategy(global_batch_size=2000, timeout=30)).fit(_model(), datamodule=digits())
+
+    message = r"has 1438 samples, fewer than one global batch of 2000 \(argument `global_batch_size`=2000\)"
+    with pytest.raises(WorkerFailed) as failed:
+        run_workers(fit, devices=2)
+    for rank in (0, 1):  # no rank hangs in a collective: both raise the same error
+        assert re.search(
+            rf"rank {rank} raised ValueError: DBSStrategy: the training dataset {message}", str(failed.value)
+        )
 
 
 def test_dbs_callback_and_straggler_reject_misuse():

@@ -15,6 +15,7 @@ from lightning_hier.models import Classifier, mlp
 from lightning_hier.testing import WorkerFailed, run_workers
 from tests.helpers import ParamRecorder, assert_resumed_run_matches, digits, digits_classifier, flat_params, trainer
 from tests.pipeline_reference import plain_backprop, simulate, update_lag
+from tests.user_models import BoringModel, SameWeightsOnEveryRank, UserModule
 
 SAMPLES, BATCH, EPOCHS = 56, 8, 2  # 7 batches per epoch: not divisible by 2 or 4
 SPLITS = {2: [2], 4: [1, 2, 3]}
@@ -94,7 +95,8 @@ def test_sync_schedule_equals_single_process_backprop_step_by_step(devices, stag
     for o in out:
         assert len(o["params"]) == len(reference)
         for step, (got, want) in enumerate(zip(o["params"], reference, strict=True)):
-            want = want[slices[o["stage"]]]
+            # after the last step the fit is finished: every rank holds the whole model
+            want = want if step == len(reference) - 1 else want[slices[o["stage"]]]
             if replicas == 1:
                 assert torch.equal(got, want), f"stage {o['stage']} step {step}"
             else:  # the mean of two half-batch gradients rounds differently
@@ -126,7 +128,10 @@ def test_delayed_schedules_follow_the_stale_gradient_reference(devices, stages, 
         k = o["stage"]
         assert len(o["params"]) == len(iterations)
         for step, (got, iteration) in enumerate(zip(o["params"], iterations, strict=True)):
-            torch.testing.assert_close(got, history[k][iteration], atol=1e-6, rtol=1e-5, msg=f"stage {k} step {step}")
+            # after the last step the fit is finished: every rank holds the whole model (all stages)
+            last = step == len(iterations) - 1
+            want = torch.cat([h[iteration] for h in history]) if last else history[k][iteration]
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5, msg=f"stage {k} step {step}")
         steps = iter(o["reports"])
         for batches in epochs:
             reports = [r for _ in batches for r in next(steps)]
@@ -199,7 +204,8 @@ def test_fork_launcher_returns_the_whole_trained_model_and_validation_is_consist
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"stages": 0}, r"`stages` must be an integer >= 1, got 0"),
+        ({"stages": 0}, r"`stages` must be 'auto' or an integer >= 1, got 0"),
+        ({"stages": "two"}, r"`stages` must be 'auto' or an integer >= 1, got 'two'"),
         ({"stages": 2, "split": [2, 3]}, r"`split` must be None or 1 strictly increasing"),
         ({"stages": 3, "split": [3, 2]}, "`split` must be"),
         ({"split": [0]}, "`split` must be"),
@@ -207,7 +213,7 @@ def test_fork_launcher_returns_the_whole_trained_model_and_validation_is_consist
         ({"weights": "latest"}, r"`weights` must be one of 'stash', 'recompute', 'legacy'"),
         ({"beta": 0.0}, r"`beta` must be a number in \(0.0, 1.0\], got 0.0"),
         ({"beta": 1.5}, "`beta` must be"),
-        ({"module_attr": ""}, "`module_attr` must be a non-empty attribute path"),
+        ({"module_attr": ""}, r"`module_attr` must be None \(find the blocks\) or a non-empty attribute path"),
     ],
 )
 def test_bad_arguments_fail_at_construction(kwargs, match):
@@ -241,6 +247,18 @@ class _Flat(Classifier):
         return self.net(x.flatten(1))
 
 
+class _EncoderDecoder(UserModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder, self.decoder = self.model[:2], self.model[2:]
+        del self.model
+
+
+class _Twice(UserModule):
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        return super().training_step(batch, batch_idx) + self.model(batch).abs().mean()
+
+
 def _fit_bad(case: str) -> None:
     modules = {
         "stages": lambda: digits_classifier(hidden=()),  # one block
@@ -248,9 +266,18 @@ def _fit_bad(case: str) -> None:
         "lbfgs": lambda: _Lbfgs(mlp((1, 8, 8), 10, hidden=(8,)), 10),
         "uncuttable": _Flat,
         "accumulate": digits_classifier,
+        "ambiguous": _EncoderDecoder,
+        "twice": _Twice,
+        "no input": lambda: digits_classifier(hidden=(32, 32)),  # 3 blocks on 2 stages: balanced on a sample
     }
     extra = {"accumulate_grad_batches": 2} if case == "accumulate" else {}
-    trainer(strategy=DecoupledStrategy(timeout=30), **extra).fit(modules[case](), datamodule=digits(batch_size=64))
+    strategy = DecoupledStrategy(stages=2 if case == "stages" else "auto", timeout=30)
+    if case in ("ambiguous", "twice"):  # their own train_dataloader
+        trainer(strategy=strategy, max_steps=2).fit(modules[case]())
+    elif case == "no input":
+        trainer(strategy=strategy).fit(modules[case](), DataLoader([{"text": "a b"}, {"text": "c"}], batch_size=2))
+    else:
+        trainer(strategy=strategy, **extra).fit(modules[case](), datamodule=digits(batch_size=64))
 
 
 @pytest.mark.parametrize(
@@ -259,10 +286,60 @@ def _fit_bad(case: str) -> None:
         ("stages", "cannot cut 1 block"),
         ("outside", r"parameters outside `net` would never be trained by the pipeline: \['scale'\]"),
         ("lbfgs", "LBFGS re-evaluates its closure"),
-        ("uncuttable", "is a Linear, not an nn.Sequential or nn.ModuleList of blocks"),
+        (
+            "uncuttable",
+            r"block 0 of `net` \(Linear\) cannot take the input of shape \[64, 1, 8, 8\] .* move input transforms",
+        ),
         ("accumulate", "accumulate_grad_batches=2 is not supported"),
+        (
+            "ambiguous",
+            r"cannot tell which submodule of _EncoderDecoder holds the blocks: several containers could be the "
+            r"network: `encoder` \(Sequential\), `decoder` \(Sequential\)\. Set `module_attr`",
+        ),
+        ("twice", r"must call `model` exactly once, on the batch's input \(shape \[4, 32\]\), but called it 2 time"),
+        (
+            "no input",  # one prefix only: the helper's message is not wrapped twice
+            r"raised ValueError: DecoupledStrategy: cannot find a sample input to balance the stages: the first "
+            r"training batch is a dict of \('text': list\)",
+        ),
     ],
 )
 def test_models_and_trainers_the_pipeline_cannot_run_are_rejected_clearly(case, match):
     with pytest.raises(WorkerFailed, match=match):
         run_workers(_fit_bad, case, devices=2)
+
+
+@pytest.mark.parametrize("make", [BoringModel, UserModule], ids=["BoringModel", "UserModule"])
+def test_trains_user_modules_at_default_arguments_and_ranks_agree(make):
+    # BoringModel: one block (its `layer`), so K = 1 stage x 2 replicas; UserModule: the 5 blocks of
+    # `self.model`, K = 2 stages balanced on its first batch; the loss comes from its training_step
+    torch.manual_seed(0)
+    module = make()
+    before = flat_params(module)
+    t = trainer(strategy="decoupled_fork", callbacks=[SameWeightsOnEveryRank()], limit_train_batches=8)
+    t.fit(module)
+    after = flat_params(module)
+    assert torch.isfinite(after).all() and not torch.equal(after, before)
+    assert t.callback_metrics["pipe/updates"] == 8
+
+
+def _fit_user_module_sync(batches: list[torch.Tensor]) -> torch.Tensor:
+    torch.manual_seed(0)
+    module = UserModule()
+    strategy = DecoupledStrategy(schedule="sync", timeout=30)  # stages='auto': 2, blocks found in `model`
+    trainer(strategy=strategy, use_distributed_sampler=False).fit(module, DataLoader(batches, batch_size=None))
+    assert strategy.num_stages == 2 and strategy.module_attr is None
+    return flat_params(module)
+
+
+def test_loss_from_training_step_equals_single_process_backprop():
+    batches = list(torch.randn(6, 4, 32, generator=torch.Generator().manual_seed(3)))
+    torch.manual_seed(0)
+    reference = UserModule()
+    optimizer = reference.configure_optimizers()
+    for i, batch in enumerate(batches):
+        optimizer.zero_grad()
+        reference.training_step(batch, i).backward()
+        optimizer.step()
+    for whole in run_workers(_fit_user_module_sync, batches, devices=2):
+        torch.testing.assert_close(whole, flat_params(reference), atol=1e-6, rtol=0)

@@ -2,8 +2,10 @@
 
 import os
 
+import lightning.pytorch as pl
 import pytest
 import torch
+import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -14,6 +16,7 @@ from lightning_hier.models import Classifier, mlp, small_cnn
 from lightning_hier.planner import Link, best_grid, model_layers
 from lightning_hier.testing import WorkerFailed, run_workers
 from tests.helpers import ParamRecorder, assert_resumed_run_matches, digits, flat_params, trainer
+from tests.user_models import BoringModel, SameWeightsOnEveryRank, UserModule
 
 EPOCHS, LR = 5, 0.05
 
@@ -158,12 +161,24 @@ def test_unsupported_settings_fail_with_the_reason():
     with pytest.raises(WorkerFailed, match="gradient clipping by norm"):
         run_workers(fit, (2, 2), _mlp, gradient_clip_val=1.0, devices=4)
 
-    def fit_auto_on_plain_loader() -> None:
-        data = TensorDataset(torch.randn(64, 1, 8, 8), torch.randint(0, 10, (64,)))
-        trainer(strategy=Grid2DStrategy(timeout=30), max_steps=1).fit(_mlp(), DataLoader(data, batch_size=8))
+    def fit_auto_on_text(module: Classifier) -> None:
+        loader = DataLoader([{"text": "a b"}, {"text": "c"}], batch_size=2)
+        trainer(strategy=Grid2DStrategy(timeout=30), max_steps=1).fit(module, loader)
 
-    with pytest.raises(WorkerFailed, match="grid='auto'\\) needs the DataLoader batch size and the input shape"):
-        run_workers(fit_auto_on_plain_loader)
+    with pytest.raises(WorkerFailed, match=r"the first training batch is a dict of \('text': list\), with no input"):
+        run_workers(fit_auto_on_text, _mlp())
+
+
+def test_auto_grid_takes_batch_size_and_input_shape_from_the_first_batch():
+    def fit_auto_on_plain_loader() -> tuple[int, int]:
+        data = TensorDataset(torch.randn(64, 1, 8, 8), torch.randint(0, 10, (64,)))
+        strategy = Grid2DStrategy(grid="auto", alpha=0.0, beta=4e-10, timeout=30)
+        trainer(strategy=strategy, max_steps=1).fit(_wide_mlp(), DataLoader(data, batch_size=8))
+        return strategy.grid
+
+    expected = best_grid(model_layers(_wide_mlp(), (1, 8, 8)), 8, 2, links=Link(0.0, 4e-10), batch_scope="replica")
+    assert expected.grid == (2, 1)  # not the pure batch grid: the groups are rebuilt for it
+    assert run_workers(fit_auto_on_plain_loader) == [expected.grid] * 2
 
 
 def test_gradient_accumulation_equals_ddp_on_the_larger_batch():
@@ -178,3 +193,51 @@ def test_gradient_accumulation_equals_ddp_on_the_larger_batch():
     grid = run_workers(fit, Grid2DStrategy(grid=(1, 2), timeout=30), 32, 2)
     for a, b in zip(ddp, grid, strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("make", [BoringModel, UserModule], ids=["BoringModel", "UserModule"])
+def test_trains_user_modules_at_default_arguments_and_ranks_agree(make):
+    torch.manual_seed(0)
+    module = make()
+    before = flat_params(module)
+    t = trainer(strategy="grid2d_fork", callbacks=[SameWeightsOnEveryRank()], limit_train_batches=8)
+    t.fit(module)
+    after = flat_params(module)  # the gathered ordinary weights, returned by the fork launcher
+    assert after.shape == before.shape and torch.isfinite(after).all() and not torch.equal(after, before)
+
+
+class _TinyLM(pl.LightningModule):
+    """Tied embedding / output weights around a TransformerEncoderLayer: what to_grid used to break."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(16, 8)
+        self.layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+        self.head = nn.Linear(8, 16, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.layer(self.emb(tokens)))
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        tokens = batch[0]
+        return F.cross_entropy(self(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+def test_tied_transformer_on_a_model_grid_equals_single_process_training():
+    loader = DataLoader(TensorDataset(torch.randint(0, 16, (32, 6), generator=torch.Generator().manual_seed(1))), 8)
+    reference = _TinyLM()
+    opt = reference.configure_optimizers()
+    for batch in loader:
+        opt.zero_grad()
+        reference.training_step(batch, 0).backward()
+        opt.step()
+    module = _TinyLM()
+    strategy = Grid2DStrategy(grid=(2, 1), start_method="fork", timeout=30)
+    trainer(strategy=strategy, use_distributed_sampler=False).fit(module, loader)
+    assert module.head.weight is module.emb.weight
+    torch.testing.assert_close(flat_params(module), flat_params(reference), atol=2e-6, rtol=0)

@@ -13,6 +13,7 @@ from torch.utils.data import (
 )
 
 from lightning_hier.algorithms.dbs_sampler import Allocation, DynamicBatchSampler, dynamic_batch_loader
+from lightning_hier.algorithms.dbs_split import split_remainder
 
 N = 103
 
@@ -76,6 +77,42 @@ def test_a_new_split_applies_to_batches_not_yet_drawn():
     assert alloc.sizes_at(0) == [5, 5] and alloc.sizes_at(2) == [7, 3]
     next(iter(DynamicBatchSampler(N, alloc)))  # a new epoch starts with the newest split
     assert alloc.sizes_at(0) == [7, 3]
+
+
+@pytest.mark.parametrize("sizes", [[5, 11], [8, 8], [1, 7, 3, 13]])
+def test_drop_last_false_adds_one_smaller_global_batch_split_by_the_same_shares(sizes):
+    total = sum(sizes)
+    ranks = [DynamicBatchSampler(N, Allocation(sizes, r), seed=5, drop_last=False) for r in range(len(sizes))]
+    batches = epoch(ranks, 0)
+    full, rest = divmod(N, total)
+    assert rest and [len(b) for b in batches] == [full + 1] * len(sizes) == [len(s) for s in ranks]
+    order = torch.randperm(N, generator=torch.Generator().manual_seed(5)).tolist()
+    last = split_remainder(rest, sizes)
+    shares = [s.allocation.consume_share() for s in ranks for _ in range(full)]
+    assert all(share == (b, total) for share, b in zip(shares, [b for b in sizes for _ in range(full)], strict=True))
+    assert [s.allocation.consume_share() for s in ranks] == [(r, rest) for r in last]
+    joined = [i for rank in range(len(sizes)) if last[rank] for i in batches[rank][full]]
+    assert joined == order[full * total :]  # the samples left, each used once
+    for rank in range(len(sizes)):
+        if last[rank] == 0:  # no share: a stand-in sample (weight 0) keeps the step counts equal
+            assert batches[rank][full] == [order[full * total]]
+
+
+def test_drop_last_false_trains_a_dataset_smaller_than_one_global_batch():
+    alloc = Allocation([20, 4], rank=1)
+    sampler = DynamicBatchSampler(10, alloc, shuffle=False, drop_last=False)
+    assert list(sampler) == [[8, 9]] and alloc.consume_share() == (2, 10)
+    with pytest.raises(ValueError, match="has 10 samples, fewer than one global batch of 24, and drop_last=True"):
+        DynamicBatchSampler(10, alloc, drop_last=True)
+    with pytest.raises(ValueError, match="has 0 samples"):
+        DynamicBatchSampler(0, alloc, drop_last=False)
+
+
+@pytest.mark.parametrize("drop_last", [True, False])
+def test_the_loader_drop_last_reaches_the_sampler(drop_last):
+    loader = DataLoader(_dataset(), batch_size=4, drop_last=drop_last)
+    new = dynamic_batch_loader(loader, Allocation([3, 5], rank=0), seed=0)
+    assert new.batch_sampler.drop_last is drop_last and len(new) == N // 8 + (0 if drop_last else 1)
 
 
 def test_allocation_checks():

@@ -5,7 +5,14 @@ import random
 
 import pytest
 
-from lightning_hier.algorithms.dbs import ThroughputMeter, check_split, shard_sizes, split_batch
+from lightning_hier.algorithms.dbs import (
+    DynamicBatchSize,
+    ThroughputMeter,
+    check_split,
+    shard_sizes,
+    split_batch,
+    split_remainder,
+)
 
 
 def reference_split(total: int, weights: list[float], low: int, high: int) -> list[int]:
@@ -130,3 +137,47 @@ def test_ema_zero_uses_the_last_window_only():
         assert meter.close_window()["samples_per_s"] == rate
     with pytest.raises(ValueError, match="ema"):
         ThroughputMeter(ema=1.0)
+
+
+@pytest.mark.parametrize(
+    ("total", "sizes", "expected"),
+    [
+        (8, [12, 12], [4, 4]),
+        (5, [12, 12], [3, 2]),  # ties: lower rank first
+        (3, [20, 4], [3, 0]),  # 2.5 / 0.5: the slow rank gets no sample
+        (10, [20, 4], [8, 2]),  # 8.33 / 1.67
+        (2, [1, 1, 1], [1, 1, 0]),  # fewer samples than ranks
+        (0, [5, 5], [0, 0]),
+    ],
+)
+def test_the_last_smaller_batch_is_split_by_the_same_shares(total, sizes, expected):
+    assert split_remainder(total, sizes) == expected
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_remainder_splits_sum_exactly_and_stay_within_one_of_the_share(seed):
+    rng = random.Random(2000 + seed)
+    sizes = [rng.randint(1, 50) for _ in range(rng.randint(2, 8))]
+    total = rng.randint(0, sum(sizes) - 1)
+    out = split_remainder(total, sizes)
+    assert sum(out) == total
+    for r, b in zip(out, sizes, strict=True):
+        assert 0 <= r <= b and abs(r - total * b / sum(sizes)) < 1.0
+
+
+@pytest.mark.parametrize(("total", "sizes"), [(10, [5, 5]), (-1, [5, 5]), (3, [5, -1])])
+def test_remainder_split_rejects_a_total_that_is_not_smaller_than_the_batch(total, sizes):
+    with pytest.raises(ValueError, match="split_remainder: need 0 <= total < sum"):
+        split_remainder(total, sizes)
+
+
+def test_initial_sizes_are_the_first_split_and_are_checked_against_the_global_batch():
+    dbs = DynamicBatchSize([], None, initial_sizes=[7])
+    assert dbs.bind(7).sizes == [7]
+    with pytest.raises(ValueError, match=r"`initial_sizes` must sum to the global batch 8, got \[7\] \(sum 7\)"):
+        DynamicBatchSize([], None, initial_sizes=[7]).bind(8)
+    with pytest.raises(ValueError, match=r"one batch size per data-parallel rank \(1\), got 2"):
+        DynamicBatchSize([], None, initial_sizes=[4, 4]).bind(8)
+    restored = DynamicBatchSize([], None, initial_sizes=[7])
+    restored.load_state_dict({**dbs.state_dict(), "sizes": [9]})
+    assert restored.bind(9).sizes == [9]  # a checkpoint's split takes precedence

@@ -16,6 +16,7 @@ from lightning_hier.algorithms.decoupled import (
     measure_block_costs,
     stage_ranges,
 )
+from lightning_hier.strategies._user_model import describe, find_network, first_input
 
 
 def test_staleness_and_lags_follow_the_papers():
@@ -185,3 +186,32 @@ def test_graphs_waiting_in_the_fifo_survive_later_batchnorm_updates(weights):
     for entry in entries:
         runner.backward_delayed(entry, torch.ones(5, 2))
     assert all(torch.equal(a, b) for a, b in zip(stage.buffers(), plain.buffers(), strict=True))
+
+
+class _Holder(nn.Module):
+    """Stands in for a LightningModule: the rule only looks at the submodules."""
+
+    def __init__(self, **children: nn.Module) -> None:
+        super().__init__()
+        for name, child in children.items():
+            self.add_module(name, child)
+
+
+def test_the_network_is_the_shallowest_container_with_parameters_or_the_only_child():
+    mlp = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+    acts = nn.Sequential(nn.ReLU())  # no parameters: never the network
+    assert find_network(_Holder(model=mlp, acts=acts)) == "model"
+    assert find_network(_Holder(backbone=_Holder(stem=nn.ModuleList([nn.Linear(2, 2)])), acts=acts)) == "backbone.stem"
+    assert find_network(_Holder(layer=nn.Linear(2, 2))) == "layer"  # BoringModel: one block
+    with pytest.raises(ValueError, match=r"several containers could be the network: `a` \(Sequential\), `b` \(Module"):
+        find_network(_Holder(a=mlp, b=nn.ModuleList([nn.Linear(2, 2)])))
+    with pytest.raises(ValueError, match=r"submodules with parameters: `x` \(Linear\), `y` \(Linear\)"):
+        find_network(_Holder(x=nn.Linear(2, 2), y=nn.Linear(2, 2)))
+
+
+def test_the_input_of_a_batch_is_the_tensor_its_first_element_or_first_value():
+    x = torch.zeros(3, 2)
+    assert first_input(x) is x and first_input((x, 1)) is x and first_input([x]) is x
+    assert first_input({"image": x, "label": 0}) is x
+    assert first_input({"text": ["a"]}) is None and first_input(()) is None and first_input("a") is None
+    assert describe({"text": ["a"], "y": x}) == "a dict of ('text': list, 'y': tensor [3, 2])"

@@ -23,8 +23,10 @@ from lightning_hier.layers import (
     is_grid_model,
     load_full_state_dict,
     parameter_kinds,
+    replicated_leaves,
     to_grid,
     to_ordinary,
+    trace_shapes,
 )
 from lightning_hier.models import mlp, resnet20, small_cnn
 from tests.helpers import trainer
@@ -130,3 +132,33 @@ def test_a_converted_model_is_reattached_to_a_new_context_of_the_same_shape():
     net = to_grid(small_cnn((1, 8, 8), 10), GridContext())
     fresh = GridContext(stats=GridCommStats())
     assert to_grid(net, fresh) is net and net[0][0].grid is fresh and net[3][0].grid is fresh
+
+
+class _ReadsWeight(nn.Module):
+    """A parent that reads its child's weight instead of calling it (as MultiheadAttention does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.proj.weight.t()
+
+
+def test_tied_and_directly_read_layers_stay_whole_and_cannot_run_on_slabs():
+    emb, head = nn.Embedding(6, 4), nn.Linear(4, 6)
+    head.weight = emb.weight
+    net = nn.Sequential(_ReadsWeight(), nn.Linear(4, 4), nn.MultiheadAttention(4, 2))
+    tied = nn.Sequential(emb, nn.Linear(4, 4), head)
+    called = set(trace_shapes(net[:2], torch.zeros(1, 4)))
+    assert replicated_leaves(net, called) == {
+        "0.proj": "the traced forward never calls it (its parent reads its weights directly)",
+        "2.out_proj": "its parent MultiheadAttention reads its weights directly",
+    }
+    assert [role for _, _, role, _ in classify(net, called)] == [Role.REPLICATED, Role.LINEAR, Role.REPLICATED]
+    assert [role for _, _, role, _ in classify(tied)] == [Role.REPLICATED, Role.LINEAR, Role.REPLICATED]
+    assert replicated_leaves(tied)["2"] == "its parameter is shared (tied) with 0.weight, 2.weight"
+    conv = nn.Conv2d(2, 2, 3, padding=1)
+    shared_conv = nn.Sequential(nn.Conv2d(2, 2, 1), conv, conv, nn.Flatten())
+    (_, _, role, reason) = classify(shared_conv)[1]
+    assert role is Role.UNSUPPORTED and "Conv2d must stay whole" in reason and "slabs" in reason

@@ -43,7 +43,7 @@ from lightning_hier.comm import CommStats, all_reduce_mean_
 from lightning_hier.comm.p2p import Mailbox, Parcel
 
 Group = dist.ProcessGroup | None
-LossFn = Callable[[Tensor, Tensor], Tensor]
+LossFn = Callable[[Tensor, Tensor | None], Tensor]
 Apply = Callable[[], None]
 
 
@@ -82,8 +82,11 @@ class DecoupledPipeline:
         weights: ``'stash'``, ``'recompute'`` or ``'legacy'`` (see :mod:`.stage`).
         beta: Gradient shrinking: every stage but the last multiplies the incoming gradient by
             ``beta``, so stage ``k``'s gradients are scaled by ``beta ** (K - 1 - k)``.
-        loss_fn: ``loss_fn(output, target) -> scalar`` on the last stage (cross-entropy by default).
+        loss_fn: ``loss_fn(output, target) -> scalar`` on the last stage (cross-entropy by default);
+            ``target`` is ``None`` for batches that are an input tensor alone.
         stats: Communication accounting.
+        check_gradients: Called with the stage's gradients of every update, before they are
+            averaged over the data-parallel replicas (the strategy's ``check_finite`` guard).
 
     Example (plain loop on each rank; every stage of a replica iterates the same loader)::
 
@@ -110,6 +113,7 @@ class DecoupledPipeline:
         beta: float = 1.0,
         loss_fn: LossFn | None = None,
         stats: CommStats | None = None,
+        check_gradients: Callable[[list[Tensor]], None] | None = None,
     ) -> None:
         self.schedule = Schedule(schedule, len(stage_ranks))
         if not 0 <= stage_index < len(stage_ranks):
@@ -120,8 +124,9 @@ class DecoupledPipeline:
         self.ranks = list(stage_ranks)
         self.data_group = data_group
         self.beta = beta
-        self.loss_fn: LossFn = loss_fn if loss_fn is not None else F.cross_entropy
+        self.loss_fn: LossFn = loss_fn if loss_fn is not None else _cross_entropy
         self.stats = stats if stats is not None else CommStats()
+        self.check_gradients = check_gradients
         self.runner = StageRunner(stage, weights)
         self.mail = Mailbox(pipe_group, self.runner.device, self.stats)
         self._eval_mail: dict[bool, Mailbox] = {}
@@ -157,7 +162,8 @@ class DecoupledPipeline:
         """Run one lock-step iteration.
 
         Args:
-            batch: Stage 0: ``(inputs, targets)``. Other stages: anything but ``None`` (e.g. the
+            batch: Stage 0: ``(inputs, targets)``, or an input tensor alone (no targets travel; the
+                loss function then gets ``None``). Other stages: anything but ``None`` (e.g. the
                 same batch) when stage 0 is fed in this iteration; ``None`` in a drain iteration.
             apply: Called after the data-parallel mean gradient was written to the stage
                 parameters' ``.grad``: take the optimizer step there (gradients are cleared after).
@@ -220,38 +226,37 @@ class DecoupledPipeline:
         if self.first:
             if batch is None:
                 return None
-            inputs, targets = _split_batch(batch)
-            return Parcel((inputs, targets), tag=self.fed)
+            return Parcel(_split_batch(batch), tag=self.fed)
         if self.schedule.forward_locked:
             parcel = self.mail.recv(self.ranks[self.k - 1]) if batch is not None else None
         else:
             parcel, self._act_in = self._act_in, None
         if parcel is None:
             return None
-        inputs, targets = parcel.tensors
+        inputs, *targets = parcel.tensors
         # the FIFO keeps the input beyond the next exchange, which reuses the receive buffer
         owned = inputs.detach().clone().requires_grad_(inputs.is_floating_point())
-        return Parcel((owned, targets.clone()), tag=parcel.tag)
+        return Parcel((owned, *(t.clone() for t in targets)), tag=parcel.tag)
 
     def _forward_last(self, parcel: Parcel, apply: Apply) -> _Done:
-        inputs, targets = parcel.tensors
+        inputs, *targets = parcel.tensors
         output, leaves = self.runner.forward_now(inputs)
-        loss = self.loss_fn(output, targets)
+        loss = self.loss_fn(output, targets[0] if targets else None)
         loss.backward()
         self._apply(leaves, apply)
         value = float(loss.detach())
         outgoing = None if self.first else Parcel((_grad_of(inputs),), tag=parcel.tag, value=value)
-        return _Done(parcel.tag, value, len(targets), outgoing)
+        return _Done(parcel.tag, value, int(inputs.shape[0]), outgoing)
 
     def _forward(self, parcel: Parcel) -> Parcel | None:
-        inputs, targets = parcel.tensors
+        inputs, *targets = parcel.tensors
         if self.staleness == 0:  # sync: the gradient returns before any update
             output, leaves = self.runner.forward_now(inputs)
             entry = InFlight(parcel.tag, inputs, output, leaves)
         else:
             output, entry = self.runner.forward_delayed(inputs, parcel.tag)
         self.fifo.append(entry)
-        activation = Parcel((output.detach(), targets), tag=parcel.tag)
+        activation = Parcel((output.detach(), *targets), tag=parcel.tag)
         if self.schedule.forward_locked:
             self.mail.send(self.ranks[self.k + 1], activation)
             return None
@@ -274,6 +279,8 @@ class DecoupledPipeline:
 
     def _apply(self, leaves: list[Tensor], apply: Apply) -> None:
         grads = self.runner.grads(leaves)
+        if self.check_gradients is not None:
+            self.check_gradients(grads)  # before the replicas' all-reduce could spread a NaN
         if self.data_group is not None:
             flat = self.runner.flatten(grads)
             all_reduce_mean_(flat, self.data_group, self.stats)
@@ -327,6 +334,12 @@ class DecoupledPipeline:
         self.updates = int(state["updates"])
 
 
+def _cross_entropy(output: Tensor, target: Tensor | None) -> Tensor:
+    if target is None:
+        raise ValueError("DecoupledPipeline: the default loss (cross-entropy) needs targets: feed (inputs, targets).")
+    return F.cross_entropy(output, target)
+
+
 def _owned(parcel: Parcel | None) -> Parcel | None:
     """A copy of a received parcel that outlives the next receive into the same buffer."""
     if parcel is None:
@@ -334,12 +347,14 @@ def _owned(parcel: Parcel | None) -> Parcel | None:
     return Parcel(tuple(t.clone() for t in parcel.tensors), tag=parcel.tag, value=parcel.value)
 
 
-def _split_batch(batch: Any) -> tuple[Tensor, Tensor]:
+def _split_batch(batch: Any) -> tuple[Tensor, ...]:
+    if isinstance(batch, Tensor):
+        return (batch,)
     if isinstance(batch, list | tuple) and len(batch) == 2 and all(isinstance(t, Tensor) for t in batch):
         return batch[0], batch[1]
     raise TypeError(
-        f"DecoupledPipeline: a batch must be (inputs, targets), two tensors; got {type(batch).__name__}. "
-        "Return (x, y) from the dataloader (or convert it in on_after_batch_transfer)."
+        f"DecoupledPipeline: a batch must be (inputs, targets), two tensors, or an input tensor alone; got "
+        f"{type(batch).__name__}. Return (x, y) from the dataloader (or convert it in on_after_batch_transfer)."
     )
 
 
