@@ -49,6 +49,7 @@ if TYPE_CHECKING or _LIGHTNING_ERROR is None:
         HPSGDStrategy,
         LocalSGDStrategy,
         LsgdStrategy,
+        NonFiniteError,
         register_all,
     )
 
@@ -84,6 +85,7 @@ __all__ = [
     "HierStrategy",
     "LocalSGDStrategy",
     "LsgdStrategy",
+    "NonFiniteError",
     "Topology",
     "__version__",
 ]

@@ -3,6 +3,7 @@
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_hier.strategies._base import HierStrategy
+from lightning_hier.strategies._finite import NonFiniteError
 from lightning_hier.strategies.averaging import AveragingStrategy, EasgdStrategy, LocalSGDStrategy, LsgdStrategy
 from lightning_hier.strategies.dbs import DBSStrategy
 from lightning_hier.strategies.decoupled import DecoupledStrategy
@@ -47,5 +48,6 @@ __all__ = [
     "HierStrategy",
     "LocalSGDStrategy",
     "LsgdStrategy",
+    "NonFiniteError",
     "register_all",
 ]

@@ -9,9 +9,9 @@ import pytest
 import torch
 from lightning.pytorch.demos.boring_classes import BoringModel
 
-from lightning_hier import HPSGDStrategy
+from lightning_hier import HPSGDStrategy, NonFiniteError
 from lightning_hier.strategies import DDPCommHookStrategy
-from lightning_hier.strategies._finite import NonFiniteError, all_finite, warn_if_not_finite
+from lightning_hier.strategies._finite import all_finite, warn_if_not_finite
 from lightning_hier.testing import WorkerFailed, run_workers
 from tests.helpers import trainer
 
