@@ -17,6 +17,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from lightning.pytorch.callbacks import Callback
 from omegaconf import OmegaConf
+from typing_extensions import override
 
 from lightning_hier.train import build_datamodule, build_module, build_strategy, build_trainer, conf_dir
 
@@ -58,24 +59,29 @@ class Recorder(Callback):
         self._val_start = 0.0
         self._first_batch = False
 
+    @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._t0, self._val_s, self.samples, self.timeline = self.clock(), 0.0, 0, []
 
+    @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self.samples += len(batch[0])
 
+    @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._val_start = self.clock()  # replaced at the first batch (kept if there is none)
         self._first_batch = True
 
+    @override
     def on_validation_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
     ) -> None:
         if self._first_batch:
             self._val_start, self._first_batch = self.clock(), False
 
+    @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.sanity_checking:
             return
@@ -93,6 +99,7 @@ class Recorder(Callback):
         )
         self._val_s += now - self._val_start
 
+    @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.wall_s = self.clock() - self._t0
         self.train_s = self.wall_s - self._val_s

@@ -39,6 +39,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from lightning.pytorch.cli import _JSONARGPARSE_SIGNATURES_AVAILABLE, LightningArgumentParser, LightningCLI
+from typing_extensions import override
 
 import lightning_hier  # noqa: F401  registers the strategy names (also in popen children)
 from lightning_hier.data import ArrayDataModule
@@ -90,6 +91,7 @@ class NetworkClassifier(Classifier):
 class HierCLI(LightningCLI):
     """``LightningCLI`` with the model's input shape and classes linked from the datamodule."""
 
+    @override
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.set_defaults({"data": {"class_path": "lightning_hier.data.DigitsDataModule"}})
         parser.link_arguments("data.input_shape", "model.input_shape", apply_on="instantiate")

@@ -35,6 +35,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
+from typing_extensions import override
 
 import lightning_hier  # noqa: F401  registers the strategy names in every process
 from lightning_hier.models import Classifier
@@ -187,6 +188,7 @@ class SweepSummary(HydraCallback):
     ``summary.md`` and ``summary.csv`` in the sweep directory.
     """
 
+    @override
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
         table = write_sweep_table(sweep_dir)

@@ -21,6 +21,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, SubsetRandomSampler
+from typing_extensions import override
 
 from lightning_hier import GrawaStrategy
 from lightning_hier.callbacks import PullToCenter
@@ -40,6 +41,7 @@ class _MaxWeight(PullToCenter):
         super().__init__()
         self.max_weights: list[float] = []
 
+    @override
     def on_round(self, trainer: pl.Trainer, pl_module: pl.LightningModule, report: Any) -> dict[str, float]:
         self.max_weights.append(float(report.weights.mean(dim=1).max()))
         return super().on_round(trainer, pl_module, report)

@@ -23,6 +23,7 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from typing_extensions import override
 
 from lightning_hier.comm import CommStats, FlatTensors, all_reduce_mean_, all_reduce_sum_, broadcast_
 from lightning_hier.comm.collectives import Group
@@ -164,6 +165,7 @@ class ElasticCenter(CenterPolicy):
             raise ValueError(f"ElasticCenter: `beta` must be in (0, 1], got {beta}.")
         self.center_rate = beta
 
+    @override
     def default_lam(self, world: int) -> float:
         return self.center_rate / world
 
@@ -181,9 +183,11 @@ class LeaderCenter(CenterPolicy):
         self.loss_count = 0
         self.last = float("inf")
 
+    @override
     def default_lam(self, world: int) -> float:
         return 0.1
 
+    @override
     def observe(self, loss: Tensor) -> None:
         value = loss.detach().to(torch.float64).reshape(())
         self.loss_sum = value if self.loss_sum is None else self.loss_sum + value
@@ -194,6 +198,7 @@ class LeaderCenter(CenterPolicy):
             return self.last
         return float(self.loss_sum) / self.loss_count
 
+    @override
     def combine(self, out: list[Tensor], ctx: RoundContext) -> dict[str, Any]:
         mine = self.running_loss()
         if ctx.fresh:
@@ -208,10 +213,12 @@ class LeaderCenter(CenterPolicy):
         weights[leader] = 1.0
         return {"leader": leader, "losses": losses.cpu(), "weights": weights}
 
+    @override
     def state_dict(self) -> dict[str, Any]:
         total = 0.0 if self.loss_sum is None else float(self.loss_sum)
         return {"loss_sum": total, "loss_count": self.loss_count, "last": self.last}
 
+    @override
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.loss_count = int(state["loss_count"])
         self.loss_sum = torch.tensor(float(state["loss_sum"]), dtype=torch.float64) if self.loss_count else None

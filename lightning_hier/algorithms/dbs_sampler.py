@@ -40,6 +40,7 @@ from torch.utils.data import (
     Sampler,
     SequentialSampler,
 )
+from typing_extensions import override
 
 from lightning_hier.algorithms.dbs_split import split_remainder
 
@@ -172,6 +173,7 @@ class DynamicBatchSampler(Sampler[list[int]]):
         full, rest = divmod(self.num_samples, self.allocation.global_batch)
         return full + (1 if rest and not self.drop_last else 0)
 
+    @override
     def __iter__(self) -> Iterator[list[int]]:
         if self.shuffle:
             g = torch.Generator().manual_seed(self.seed + self.epoch)

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from typing_extensions import override
 
 from lightning_hier.algorithms.centers import CenterPolicy, RoundContext
 from lightning_hier.comm import FlatTensors, all_reduce_sum_
@@ -157,6 +158,7 @@ class GradientWeightedCenter(CenterPolicy):
         self.weights: Tensor | None = None  # [W, L] of the latest round; uniform before the first
         self._expand: list[tuple[Tensor, Tensor]] = []
 
+    @override
     def default_lam(self, world: int) -> float:
         return 0.5
 
@@ -188,6 +190,7 @@ class GradientWeightedCenter(CenterPolicy):
         self.weights = normalise_weights(table[:, :-1]).cpu()
         return {"weights": self.weights.clone(), "grad_norms": table[:, -1].cpu()}
 
+    @override
     def combine(self, out: list[Tensor], ctx: RoundContext) -> dict[str, Any]:
         self._bind(ctx.flat, ctx.world)
         fields = self._measure(ctx) if ctx.fresh else {}
@@ -202,6 +205,7 @@ class GradientWeightedCenter(CenterPolicy):
         all_reduce_sum_(out, ctx.group, ctx.stats)
         return fields
 
+    @override
     def state_dict(self) -> dict[str, Any]:
         return {
             "variant": self.variant,
@@ -209,6 +213,7 @@ class GradientWeightedCenter(CenterPolicy):
             "weights": None if self.weights is None else self.weights.clone(),
         }
 
+    @override
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("variant", self.variant) != self.variant:
             raise ValueError(

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
 
 if TYPE_CHECKING:
     from lightning_hier.strategies.dbs import DBSStrategy
@@ -38,6 +39,7 @@ class DBSCallback(Callback):
     def __init__(self, log: bool = True) -> None:
         self.log = log
 
+    @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
 
 from lightning_hier import _validate as v
 
@@ -99,6 +100,7 @@ class PullToCenter(Callback):
                 metrics.update({f"grawa/layer_weight/rank{r}/{n}": float(w) for n, w in zip(names, row, strict=True)})
         return metrics
 
+    @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         from lightning_hier.strategies.averaging import AveragingStrategy  # the strategy imports this module
 

@@ -8,6 +8,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
 
 
 def _batch_size(batch: Any) -> int:
@@ -37,25 +38,31 @@ class SampleThroughput(Callback):
         self._val_seconds = 0.0
         self._val_start = 0.0
 
+    @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.samples, self.train_seconds = 0, 0.0
 
+    @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._epoch_start = time.perf_counter()
         self._val_seconds = 0.0
 
+    @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self.samples += _batch_size(batch)
 
+    @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._val_start = time.perf_counter()
 
+    @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # the sanity check's time is dropped by the reset at the first epoch start
         self._val_seconds += time.perf_counter() - self._val_start
 
+    @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         epoch_s = time.perf_counter() - self._epoch_start - self._val_seconds
         self.train_seconds += epoch_s

@@ -13,6 +13,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
 
 from lightning_hier import _validate as v
 
@@ -62,6 +63,7 @@ class Straggler(Callback):
         self.compute_s = self.delay_s = self.last_compute_s = self.last_delay_s = 0.0
         self._start: float | None = None
 
+    @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if any(r >= trainer.world_size for r in self.ranks):
             raise ValueError(
@@ -69,10 +71,12 @@ class Straggler(Callback):
                 f"got {self.ranks}."
             )
 
+    @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
         if trainer.global_rank in self.ranks:
             self._start = self.clock()
 
+    @override
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._start is None:
             return

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 from torch.utils.data import Dataset, default_collate
+from typing_extensions import override
 
 
 @dataclass
@@ -51,6 +52,7 @@ class ArrayDataset(Dataset[tuple[Tensor, Tensor]]):
     def __len__(self) -> int:
         return len(self.x)
 
+    @override
     def __getitem__(self, index: int) -> tuple[Tensor, Tensor]:
         return self.x[index], self.y[index]
 

@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
+from typing_extensions import override
 
 from lightning_hier import _validate as v
 from lightning_hier.data.arrays import Arrays
@@ -239,6 +240,7 @@ class CIFAR10DataModule(ArrayDataModule):
         self.train_size = None if train_size is None else v.check_int(owner, "train_size", train_size, minimum=1)
         self.download = v.check_bool(owner, "download", download)
 
+    @override
     def prepare_data(self) -> None:
         # runs on one process per node: decode and cache before every rank reads the cache
         if self.download and not Path(self.root).expanduser().exists():
@@ -249,12 +251,15 @@ class CIFAR10DataModule(ArrayDataModule):
             read_cifar10_split(self.root, split, self.cache_dir)
 
     @property
+    @override
     def input_shape(self) -> tuple[int, ...]:
         return (3, 32, 32)  # known without reading the files (the model is built before they are)
 
     @property
+    @override
     def num_classes(self) -> int:
         return 10
 
+    @override
     def load_arrays(self) -> Arrays:
         return load_cifar10_arrays(self.root, self.cache_dir, self.train_size)

@@ -9,6 +9,7 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor
 from torch.utils.data import DataLoader
+from typing_extensions import override
 
 from lightning_hier import _validate as v
 from lightning_hier.data.arrays import ArrayDataset, Arrays, collate_batch
@@ -59,18 +60,22 @@ class ArrayDataModule(pl.LightningDataModule):
     def num_classes(self) -> int:
         return self.arrays.num_classes
 
+    @override
     def setup(self, stage: str | None = None) -> None:
         _ = self.arrays
 
+    @override
     def train_dataloader(self) -> DataLoader[Any]:
         a = self.arrays
         # drop_last keeps every batch (and every rank's batch count) the same size
         return self._loader(a.x_train, a.y_train, self.batch_size, shuffle=True, drop_last=True)
 
+    @override
     def val_dataloader(self) -> DataLoader[Any]:
         a = self.arrays
         return self._loader(a.x_val, a.y_val, self.val_batch_size, shuffle=False, drop_last=False)
 
+    @override
     def test_dataloader(self) -> DataLoader[Any]:
         return self.val_dataloader()
 
@@ -84,6 +89,7 @@ class ArrayDataModule(pl.LightningDataModule):
             collate_fn=collate_batch,
         )
 
+    @override
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         x, y = batch
         # the model's dtype: floating inputs were already converted by the precision plugin

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from typing_extensions import override
 
 from lightning_hier import _validate as v
 from lightning_hier.data.arrays import Arrays, split_indices
@@ -39,5 +40,6 @@ class DigitsDataModule(ArrayDataModule):
         )
         self.seed = seed
 
+    @override
     def load_arrays(self) -> Arrays:
         return load_digits_arrays(self.val_fraction, self.seed)

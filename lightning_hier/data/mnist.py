@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from typing_extensions import override
 
 from lightning_hier import _validate as v
 from lightning_hier.data.arrays import Arrays, split_indices
@@ -137,6 +138,7 @@ class MNISTDataModule(ArrayDataModule):
         self.seed = seed
         self.download = v.check_bool(owner, "download", download)
 
+    @override
     def prepare_data(self) -> None:
         if self.download and find_idx(self.root, FILES["test"][0]) is None:
             from lightning_hier.data.download import torchvision_download
@@ -144,12 +146,15 @@ class MNISTDataModule(ArrayDataModule):
             torchvision_download("MNIST", self.root)
 
     @property
+    @override
     def input_shape(self) -> tuple[int, ...]:
         return (1, 28, 28)  # known without reading the files (the model is built before they are)
 
     @property
+    @override
     def num_classes(self) -> int:
         return 10
 
+    @override
     def load_arrays(self) -> Arrays:
         return load_mnist_arrays(self.root, self.split, self.val_size, self.seed)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from typing_extensions import override
 
 from lightning_hier import _validate as v
 from lightning_hier.data.arrays import Arrays
@@ -70,6 +71,7 @@ class SyntheticDataModule(ArrayDataModule):
         self.noise = v.check_float(owner, "noise", noise, low=0.0)
         self.seed = seed
 
+    @override
     def load_arrays(self) -> Arrays:
         return make_synthetic_arrays(self.shape, self.classes, self.train_size, self.val_size, self.noise, self.seed)
 

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.autograd import Function
+from typing_extensions import override
 
 from lightning_hier.comm import all_reduce_sum_, payload_bytes
 from lightning_hier.layers.context import GridCommStats, GridContext
@@ -99,6 +100,7 @@ def exchange(
 # ---------------------------------------------------------------------------- autograd functions
 class _GatherAlong(Function):
     @staticmethod
+    @override
     def forward(ctx: Any, x: Tensor, dim: int, sizes: tuple[int, ...], g: GridContext, kind: str) -> Tensor:
         ctx.dim, ctx.sizes, ctx.r = dim, sizes, g.r
         width = max(sizes)
@@ -110,6 +112,7 @@ class _GatherAlong(Function):
         return torch.cat([c.narrow(dim, 0, n) for c, n in zip(chunks, sizes, strict=True)], dim=dim)
 
     @staticmethod
+    @override
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         start = sum(ctx.sizes[: ctx.r])
         return grad.narrow(ctx.dim, start, ctx.sizes[ctx.r]), None, None, None, None
@@ -123,11 +126,13 @@ def _model_sum(t: Tensor, g: GridContext, kind: str) -> Tensor:
 
 class _CopyToModel(Function):
     @staticmethod
+    @override
     def forward(ctx: Any, x: Tensor, g: GridContext, kind: str) -> Tensor:
         ctx.g, ctx.kind = g, kind
         return x.view_as(x)
 
     @staticmethod
+    @override
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         return _model_sum(grad, ctx.g, ctx.kind), None, None
 
@@ -135,6 +140,7 @@ class _CopyToModel(Function):
 class _AllReduceSum(_CopyToModel):
     # y = sum_r x_r on every rank, so dL/dx_r = sum_r' dL/dy_r': the same sum in the backward
     @staticmethod
+    @override
     def forward(ctx: Any, x: Tensor, g: GridContext, kind: str) -> Tensor:
         ctx.g, ctx.kind = g, kind
         return _model_sum(x, g, kind)
@@ -142,18 +148,21 @@ class _AllReduceSum(_CopyToModel):
 
 class _SplitAlong(Function):
     @staticmethod
+    @override
     def forward(ctx: Any, x: Tensor, dim: int, g: GridContext, kind: str) -> Tensor:
         n = x.shape[dim] // g.pr
         ctx.dim, ctx.g, ctx.kind = dim, g, kind
         return x.narrow(dim, g.r * n, n).clone()
 
     @staticmethod
+    @override
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         return torch.cat(all_gather_raw(grad, ctx.g, ctx.kind), dim=ctx.dim), None, None, None
 
 
 class _Halo(Function):
     @staticmethod
+    @override
     def forward(ctx: Any, x: Tensor, top: int, bottom: int, g: GridContext) -> Tensor:
         ctx.top, ctx.bottom, ctx.g = top, bottom, g
         up, down = _neighbours(g)
@@ -171,6 +180,7 @@ class _Halo(Function):
         return torch.cat([above, x, below], dim=2)
 
     @staticmethod
+    @override
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         top, bottom, g = ctx.top, ctx.bottom, ctx.g
         up, down = _neighbours(g)

@@ -14,6 +14,7 @@ from enum import Enum
 from typing import Any
 
 import torch.distributed as dist
+from typing_extensions import override
 
 from lightning_hier.comm import CommStats
 
@@ -60,6 +61,7 @@ class GridCommStats(CommStats):
         """A copy of the per-kind totals (subtract two snapshots to get one step's volume)."""
         return dict(self.by_kind)
 
+    @override
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self.wire_bytes = float(state.get("wire_bytes", 0.0))

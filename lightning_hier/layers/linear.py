@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from typing_extensions import override
 
 from lightning_hier.layers.collectives import copy_to_model, even_shard_sizes, gather_along, shard_range
 from lightning_hier.layers.context import GridContext, ParamKind
@@ -73,6 +74,7 @@ class GridLinear(nn.Module):
         start, stop = shard_range(self.out_features, self.grid.pr, self.grid.r)
         return full[start:stop]
 
+    @override
     def forward(self, x: Tensor) -> Tensor:
         if x.dim() == 0 or x.shape[-1] != self.in_features:  # F.linear would name the shard's shape
             raise ValueError(
@@ -100,6 +102,7 @@ class GridLinear(nn.Module):
     def _gather_rows(self, t: Tensor) -> Tensor:
         return gather_along(t.detach(), 0, self.sizes, self.grid, "state").clone()
 
+    @override
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "

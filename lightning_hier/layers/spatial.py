@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from typing_extensions import override
 
 from lightning_hier.layers.collectives import all_reduce_sum, gather_along, halo_exchange, split_along
 from lightning_hier.layers.context import GridContext, ParamKind
@@ -140,6 +141,7 @@ class DomainConv2d(nn.Conv2d):
             )
         self._checked.add(height)
 
+    @override
     def forward(self, x: Tensor) -> Tensor:
         if self.grid.pr == 1:
             return super().forward(x)
@@ -187,6 +189,7 @@ class GridBatchNorm2d(nn.BatchNorm2d):
         bn.train(self.training)
         return bn
 
+    @override
     def forward(self, x: Tensor) -> Tensor:
         use_batch_stats = self.training or self.running_mean is None
         if self.grid.pr == 1 or not use_batch_stats:
@@ -250,6 +253,7 @@ class SlabPool2d(nn.Module):
                 f"{self.grid.pr} * {self.stride_h}, so slabs would not hold whole pooling windows."
             )
 
+    @override
     def forward(self, x: Tensor) -> Tensor:
         self.check_height(x.shape[2] * self.grid.pr)
         return self.inner(x)
@@ -262,6 +266,7 @@ class GatherSlabs(nn.Module):
         super().__init__()
         self.inner, self.grid = inner, grid
 
+    @override
     def forward(self, x: Tensor) -> Tensor:
         if self.grid.pr > 1:
             x = gather_along(x, 2, [x.shape[2]] * self.grid.pr, self.grid, "transition")

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torchmetrics.classification import MulticlassAccuracy
+from typing_extensions import override
 
 from lightning_hier import _validate as v
 
@@ -64,6 +65,7 @@ class Classifier(pl.LightningModule):
         self.val_acc = MulticlassAccuracy(num_classes, average="micro")
         self.test_acc = MulticlassAccuracy(num_classes, average="micro")
 
+    @override
     def forward(self, x: Tensor) -> Tensor:
         return self.net(x)
 
@@ -74,6 +76,7 @@ class Classifier(pl.LightningModule):
         """The training loss a pipeline strategy computes on its last stage (it bypasses ``training_step``)."""
         return self._loss(logits, y)
 
+    @override
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         x, y = batch
         logits = self(x)
@@ -83,9 +86,11 @@ class Classifier(pl.LightningModule):
         self.log("train/acc", self.train_acc, on_step=False, on_epoch=True, batch_size=len(y))
         return loss
 
+    @override
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         self._evaluate(batch, "val", self.val_acc)
 
+    @override
     def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         self._evaluate(batch, "test", self.test_acc)
 
@@ -96,6 +101,7 @@ class Classifier(pl.LightningModule):
         self.log(f"{stage}/loss", self._loss(logits, y), sync_dist=True, batch_size=len(y))
         self.log(f"{stage}/acc", metric, prog_bar=True, batch_size=len(y))
 
+    @override
     def configure_optimizers(self) -> Any:
         hp = self.hparams
         if hp["optimizer"] == "sgd":

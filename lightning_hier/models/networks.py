@@ -14,6 +14,7 @@ from math import prod
 
 import torch.nn.functional as F
 from torch import Tensor, nn
+from typing_extensions import override
 
 
 def mlp(
@@ -64,6 +65,7 @@ class BasicBlock(nn.Module):
         self.stride = stride
         self.pad = out_channels - in_channels
 
+    @override
     def forward(self, x: Tensor) -> Tensor:
         out = F.relu(self.bn1(self.conv1(x)))
         out = self.bn2(self.conv2(out))

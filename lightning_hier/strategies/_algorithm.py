@@ -14,6 +14,8 @@ from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any, Generic, Protocol, TypeVar
 
+from typing_extensions import override
+
 from lightning_hier.strategies._base import HierStrategy
 
 
@@ -45,11 +47,13 @@ class AlgorithmStrategy(HierStrategy, Generic[A]):
 
     algorithm: A | None = None
 
+    @override
     def _finalize_algorithm(self) -> None:
         if self.algorithm is not None:
             self.algorithm.finalize()
 
     @contextmanager
+    @override
     def _consensus(self) -> Iterator[None]:
         if self.algorithm is None:
             yield
@@ -57,9 +61,11 @@ class AlgorithmStrategy(HierStrategy, Generic[A]):
             with self.algorithm.consensus():
                 yield
 
+    @override
     def _algorithm_state(self) -> dict[str, Any]:
         return self.algorithm.state_dict() if self.algorithm is not None else {}
 
+    @override
     def _load_algorithm_state(self, state: dict[str, Any]) -> None:
         if self.algorithm is not None and state:
             self.algorithm.load_state_dict(state)

@@ -47,6 +47,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.utils.data import DataLoader
+from typing_extensions import override
 
 from lightning_hier import _validate as v
 from lightning_hier.comm import CommStats, FailureBoard, broadcast_, broadcast_object, gather_objects
@@ -154,6 +155,7 @@ class HierStrategy(FiniteChecks, ParallelStrategy):
         return self._groups
 
     @property
+    @override
     def root_device(self) -> torch.device:
         assert self.parallel_devices is not None
         return self.parallel_devices[self.local_rank]
@@ -176,6 +178,7 @@ class HierStrategy(FiniteChecks, ParallelStrategy):
         return True
 
     @property
+    @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # shard data by the data-parallel coordinate only: ranks of one replica see the same data
         topo = self.topology
@@ -193,6 +196,7 @@ class HierStrategy(FiniteChecks, ParallelStrategy):
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
 
+    @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         _ = self.topology  # validate the layout in the main process, before any rank starts
@@ -202,6 +206,7 @@ class HierStrategy(FiniteChecks, ParallelStrategy):
             self._launcher = _ReportingLauncher(self, start_method=self._start_method)  # type: ignore[arg-type]
 
     # ------------------------------------------------------------------ process groups
+    @override
     def setup_environment(self) -> None:
         super().setup_environment()
         self.set_world_ranks()
@@ -242,6 +247,7 @@ class HierStrategy(FiniteChecks, ParallelStrategy):
         self._failures.start_watchdog()
 
     # ------------------------------------------------------------------ set-up of the model
+    @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
@@ -267,6 +273,7 @@ class HierStrategy(FiniteChecks, ParallelStrategy):
         self._load_algorithm_state(self._restored.get("algorithm", {}))
         self.comm_stats.load_state_dict(self._restored["comm"])
 
+    @override
     def model_to_device(self) -> None:
         assert self.model is not None
         self.model.to(self.root_device)
@@ -319,21 +326,25 @@ class HierStrategy(FiniteChecks, ParallelStrategy):
             module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1, logger=logger)
 
     # ------------------------------------------------------------------ lifecycle hooks
+    @override
     def on_validation_start(self) -> None:
         self._eval_stack = ExitStack()
         self._eval_stack.enter_context(self._consensus())
 
+    @override
     def on_validation_end(self) -> None:
         if self._eval_stack is not None:
             self._eval_stack.close()
             self._eval_stack = None
 
+    @override
     def on_train_start(self) -> None:
         self._finished = False
         if self._restored is not None:
             restore_rng(self._restored["rng"])  # the last moment before training draws from it
         self._restored = None  # everything is restored by now (optimizer states come after setup)
 
+    @override
     def process_dataloader(self, dataloader: object) -> object:
         """Give the training DataLoader its own generator for iterator seeds.
 
@@ -364,14 +375,17 @@ class HierStrategy(FiniteChecks, ParallelStrategy):
             self._finalize_algorithm()
             self._finished = True
 
+    @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
         self._finished = False  # training goes on: the replicas may differ again
 
+    @override
     def on_train_end(self) -> None:
         self.finish_training()
         warn_if_not_finite(self.lightning_module, type(self).__name__, self.global_rank)
 
+    @override
     def on_exception(self, exception: BaseException) -> None:
         board = self._failures
         if board is not None:
@@ -383,6 +397,7 @@ class HierStrategy(FiniteChecks, ParallelStrategy):
         if isinstance(launcher, _SubprocessScriptLauncher):
             launcher.kill(signal.SIGKILL)  # children blocked in collectives never see SIGTERM
 
+    @override
     def teardown(self) -> None:
         if self._failures is not None:
             self._failures.stop_watchdog()
@@ -390,27 +405,32 @@ class HierStrategy(FiniteChecks, ParallelStrategy):
         super().teardown()
 
     # ------------------------------------------------------------------ collectives
+    @override
     def barrier(self, name: str | None = None) -> None:
         if dist.is_initialized():
             dist.barrier()
 
+    @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if not dist.is_initialized():
             return obj
         return broadcast_object(obj, src, dist.group.WORLD)
 
+    @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
         if isinstance(tensor, Tensor):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
     # ------------------------------------------------------------------ checkpoints
+    @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The consensus model: what ``trainer.save_checkpoint`` stores as ``state_dict``."""
         assert self.lightning_module is not None
         with self._consensus():
             return ckpt.detach_state(self.lightning_module.state_dict())
 
+    @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
         """Gather every rank's state into the checkpoint; rank 0 writes it atomically.
 
@@ -460,6 +480,7 @@ class HierStrategy(FiniteChecks, ParallelStrategy):
             "comm": self.comm_stats.state_dict(),
         }
 
+    @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
         module = self.lightning_module
@@ -474,11 +495,13 @@ class HierStrategy(FiniteChecks, ParallelStrategy):
             )
         return checkpoint
 
+    @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         assert self.lightning_module is not None
         state = self._restored["model"] if self._restored is not None else checkpoint["state_dict"]
         self.lightning_module.load_state_dict(state, strict=strict)
 
+    @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         states = self._restored["optimizer_states"] if self._restored is not None else checkpoint["optimizer_states"]
         for optimizer, state in zip(self.optimizers, states, strict=True):
@@ -487,6 +510,7 @@ class HierStrategy(FiniteChecks, ParallelStrategy):
 
     # ------------------------------------------------------------------ registration
     @classmethod
+    @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         if cls.strategy_name:
             cls._register_family(strategy_registry, cls.strategy_name)

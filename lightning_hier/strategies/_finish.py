@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.trainer.states import TrainerFn
+from typing_extensions import override
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -49,20 +50,24 @@ class Finishes(Protocol):
 class FinishFit(Callback):
     """Finish the strategy's algorithm after the last optimizer step of fit (see the module docstring)."""
 
+    @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         if ends_after_this_batch(trainer):
             _finish(trainer)
 
+    @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # before the strategy enters its consensus for validation (strategy hooks run after callbacks')
         if trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking and ends_after_this_batch(trainer):
             _finish(trainer)
 
+    @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # before the monitoring callbacks (ModelCheckpoint) save at the epoch's end
         if ends_after_this_batch(trainer):
             _finish(trainer)
 
+    @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         _finish(trainer)  # stops nobody predicted (early stopping); a no-op when already finished
 

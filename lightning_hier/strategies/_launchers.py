@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
+from typing_extensions import override
 
 
 class _ReportingLauncher(_MultiProcessingLauncher):
@@ -20,6 +21,7 @@ class _ReportingLauncher(_MultiProcessingLauncher):
     name it. This wrapper runs the strategy's handler in the child before the error propagates.
     """
 
+    @override
     def _wrapping_function(self, *args: Any, **kwargs: Any) -> None:
         try:
             super()._wrapping_function(*args, **kwargs)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
+from typing_extensions import override
 
 from lightning_hier.algorithms.decoupled import balanced_split, check_split_points, measure_block_costs, stage_ranges
 from lightning_hier.comm import broadcast_, gather_objects
@@ -38,12 +39,14 @@ class Elsewhere(nn.Module):
         super().__init__()
         self.index, self.stage = index, stage
 
+    @override
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise RuntimeError(
             f"Block {self.index} lives on pipeline stage {self.stage} while DecoupledStrategy is fitting; "
             "this rank holds only its own stage. The whole model is back on every rank after fit()."
         )
 
+    @override
     def extra_repr(self) -> str:
         return f"block={self.index}, stage={self.stage}"
 

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
+from typing_extensions import override
 
 from lightning_hier import _validate as v
 from lightning_hier.algorithms.averaging import PeriodicAveraging
@@ -68,6 +69,7 @@ class AveragingStrategy(AlgorithmStrategy[PeriodicAveraging]):
         return None
 
     # ------------------------------------------------------------------ set-up and steps
+    @override
     def _setup_algorithm(self, trainer: pl.Trainer) -> None:
         self._require_single_optimizer()
         module: nn.Module = self.lightning_module  # type: ignore[assignment]
@@ -84,6 +86,7 @@ class AveragingStrategy(AlgorithmStrategy[PeriodicAveraging]):
         )
         self._base_lam = self.algorithm.lam
 
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         output = super().training_step(*args, **kwargs)
         if self.algorithm is not None:
@@ -93,6 +96,7 @@ class AveragingStrategy(AlgorithmStrategy[PeriodicAveraging]):
                 self.algorithm.observe(loss)  # LSGD elects its leader from the running loss
         return output
 
+    @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         assert self.algorithm is not None and self.pull is not None
@@ -120,6 +124,7 @@ class AveragingStrategy(AlgorithmStrategy[PeriodicAveraging]):
         algorithm.rho = v.check_float(owner, "rho", pull.rho_at(schedule.steps, self.rho), 0.0, 1.0)
         schedule.tau = v.check_int(owner, "tau", pull.tau_at(schedule.rounds, self.tau), minimum=1)
 
+    @override
     def _finalize_algorithm(self) -> None:
         if self.algorithm is not None:
             # a partial last period gets a final round; GRAWA's probes the trained replicas for it
@@ -162,6 +167,7 @@ class LocalSGDStrategy(AveragingStrategy):
         super().__init__(**kwargs)
         self._configure(tau, 1.0, 0.0, sync_buffers, bucket_size_mb)
 
+    @override
     def _policy(self) -> CenterPolicy:
         return UniformCenter()
 
@@ -203,6 +209,7 @@ class EasgdStrategy(AveragingStrategy):
         self.beta = v.check_float(type(self).__name__, "beta", beta, 0.0, 1.0, low_inclusive=False)
         self._configure(tau, alpha, rho, sync_buffers, bucket_size_mb, lam_name="alpha")
 
+    @override
     def _policy(self) -> CenterPolicy:
         return ElasticCenter(self.beta)
 
@@ -236,6 +243,7 @@ class LsgdStrategy(AveragingStrategy):
         super().__init__(**kwargs)
         self._configure(tau, lam, rho, sync_buffers, bucket_size_mb)
 
+    @override
     def _policy(self) -> CenterPolicy:
         return LeaderCenter()
 

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from torch.utils.data import DataLoader, IterableDataset
+from typing_extensions import override
 
 from lightning_hier import _validate as v
 from lightning_hier.algorithms.dbs import TIMERS, DynamicBatchSize, check_initial_sizes, check_split
@@ -153,6 +154,7 @@ class DBSStrategy(HierStrategy):
         self.sync_buffers, self.bucket_size_mb = check_bucket_options(owner, sync_buffers, bucket_size_mb)
         self.algorithm: DynamicBatchSize | None = None
 
+    @override
     def _configure_launcher(self) -> None:
         super()._configure_launcher()
         # checked in the main process, before any rank starts
@@ -237,11 +239,13 @@ class DBSStrategy(HierStrategy):
             self._check_training_loader(args[1])
 
     # ------------------------------------------------------------------ set-up
+    @override
     def setup(self, trainer: pl.Trainer) -> None:
         if trainer.state.fn == TrainerFn.FITTING:
             self.algorithm = None  # a new fit builds a new algorithm (see _build_algorithm)
         super().setup(trainer)
 
+    @override
     def _setup_algorithm(self, trainer: pl.Trainer) -> None:
         self._require_single_optimizer()
         self._build_algorithm()
@@ -275,6 +279,7 @@ class DBSStrategy(HierStrategy):
         )
         return self.algorithm
 
+    @override
     def process_dataloader(self, dataloader: object) -> object:
         """Training loader: batches from the strategy's allocation; other stages: unchanged."""
         module = self.lightning_module
@@ -292,11 +297,13 @@ class DBSStrategy(HierStrategy):
         return super().process_dataloader(dynamic_batch_loader(dataloader, allocation, seed=_global_seed()))
 
     # ------------------------------------------------------------------ per step
+    @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
         if self.algorithm is not None:
             self.algorithm.begin_micro_batch()
 
+    @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         """Backward of the loss scaled by :meth:`DynamicBatchSize.loss_scale` (1.0 but in mixed steps)."""
         scale = self.algorithm.loss_scale() if self.algorithm is not None else 1.0
@@ -304,6 +311,7 @@ class DBSStrategy(HierStrategy):
             closure_loss = closure_loss * scale
         return super().backward(closure_loss, optimizer, *args, **kwargs)
 
+    @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         algorithm = self.algorithm
         assert algorithm is not None
@@ -326,9 +334,11 @@ class DBSStrategy(HierStrategy):
         return self.algorithm.rebalance(align=align)
 
     # ------------------------------------------------------------------ checkpoints
+    @override
     def _algorithm_state(self) -> dict[str, Any]:
         return self.algorithm.state_dict() if self.algorithm is not None else {}
 
+    @override
     def _load_algorithm_state(self, state: dict[str, Any]) -> None:
         if self.algorithm is not None and state:
             self.algorithm.load_state_dict(state)
@@ -341,6 +351,7 @@ class _CheckedScriptLauncher(_SubprocessScriptLauncher):
         super().__init__(*args)
         self._dbs = strategy
 
+    @override
     def launch(self, function: Callable[..., Any], *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
         self._dbs._check_fit_arguments(trainer, args)
         return super().launch(function, *args, trainer=trainer, **kwargs)
@@ -349,6 +360,7 @@ class _CheckedScriptLauncher(_SubprocessScriptLauncher):
 class _CheckedLauncher(_ReportingLauncher):
     """The spawn/fork launcher, checking ``fit``'s training DataLoader before the children start."""
 
+    @override
     def launch(self, function: Callable[..., Any], *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
         strategy = self._strategy
         assert isinstance(strategy, DBSStrategy)

@@ -75,6 +75,7 @@ from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, 
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
+from typing_extensions import override
 
 from lightning_hier import _validate as v
 from lightning_hier.algorithms.averaging import float_buffers
@@ -176,9 +177,11 @@ class DecoupledStrategy(HierStrategy):
             raise RuntimeError("DecoupledStrategy: stages='auto' is decided when the processes start.")
         return self._num_stages
 
+    @override
     def _layout(self) -> dict[str, int]:
         return {"pipe": self._num_stages} if self._num_stages is not None else {}
 
+    @override
     def _resolve_layout(self) -> None:
         if self._num_stages is not None:
             return
@@ -201,7 +204,7 @@ class DecoupledStrategy(HierStrategy):
         return self._found_attr
 
     # ------------------------------------------------------------------ precision and sampling
-    @property
+    @property  # type: ignore[explicit-override]  # mypy cannot mark a property that has a setter
     def precision_plugin(self) -> Precision:
         return self._precision_plugin if self._precision_plugin is not None else Precision()
 
@@ -216,6 +219,7 @@ class DecoupledStrategy(HierStrategy):
         self._precision_plugin = plugin
 
     @property
+    @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         if self._fitting():
             return super().distributed_sampler_kwargs
@@ -227,6 +231,7 @@ class DecoupledStrategy(HierStrategy):
         return module is not None and module._trainer is not None and module.trainer.state.fn == TrainerFn.FITTING
 
     # ------------------------------------------------------------------ cutting the model
+    @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         self._cut_model(trainer)  # the optimizers are built for this rank's stage only
         super().setup_optimizers(trainer)
@@ -271,6 +276,7 @@ class DecoupledStrategy(HierStrategy):
             raise ValueError(error)
         return known if known is not None else tuple(split)
 
+    @override
     def _setup_algorithm(self, trainer: pl.Trainer) -> None:
         module = self.lightning_module
         assert module is not None and self._cut is not None
@@ -324,6 +330,7 @@ class DecoupledStrategy(HierStrategy):
         return self._loss
 
     # ------------------------------------------------------------------ one step = one iteration
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> Tensor:
         batch = kwargs.get("batch", args[0] if args else None)
         batch_idx = int(kwargs.get("batch_idx", args[1] if len(args) > 1 else 0))
@@ -380,16 +387,19 @@ class DecoupledStrategy(HierStrategy):
         self._log({"pipe/in_flight": float(reports[-1].in_flight), "pipe/updates": float(self.pipeline.updates)})
         return torch.tensor(loss, device=self.root_device)
 
+    @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         """Nothing to do: :meth:`training_step` ran the stage's backward passes."""
         return closure_loss
 
+    @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         """Run Lightning's closure (our training step, which steps the optimizer); no further step."""
         return closure()
 
     # ------------------------------------------------------------------ evaluation and the end of fit
     @contextmanager
+    @override
     def _consensus(self) -> Iterator[None]:
         if self._cut is None or self.pipeline is None or self.num_stages == 1:
             yield  # one stage holds the whole network: its ordinary forward is the staged one
@@ -401,6 +411,7 @@ class DecoupledStrategy(HierStrategy):
         with pm.forward_replaced(target, self.pipeline.forward_eval):
             yield
 
+    @override
     def _finalize_algorithm(self) -> None:
         if self._cut is None or self.pipeline is None:
             return
@@ -411,6 +422,7 @@ class DecoupledStrategy(HierStrategy):
         self._cut, self.pipeline = None, None
 
     # ------------------------------------------------------------------ checkpoints
+    @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The whole ordinary model, assembled from the stages of replica 0 (a collective)."""
         if self._cut is None or self.pipeline is None:
@@ -420,6 +432,7 @@ class DecoupledStrategy(HierStrategy):
         state = pm.gather_state_dict(self._cut, self.pipeline.ranks, self.groups.pipe)
         return state if state is not None else {}
 
+    @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         if self._restored is None:
             return super().load_model_state_dict(checkpoint, strict)
@@ -431,6 +444,7 @@ class DecoupledStrategy(HierStrategy):
             raise ValueError(f"DecoupledStrategy: the checkpoint has entries this model lacks: {unexpected[:5]}.")
         self._missing_on_load = list(missing)
 
+    @override
     def _algorithm_state(self) -> dict[str, Any]:
         split = {"split": list(self._split)} if self._split is not None else {}
         if self.pipeline is None:
@@ -442,6 +456,7 @@ class DecoupledStrategy(HierStrategy):
             )
         return {**split, "pipeline": self.pipeline.state_dict()}
 
+    @override
     def _load_algorithm_state(self, state: dict[str, Any]) -> None:
         if self.pipeline is not None and "pipeline" in state:
             self.pipeline.load_state_dict(state["pipeline"])

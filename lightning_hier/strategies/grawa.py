@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 from torchmetrics import Metric
+from typing_extensions import override
 
 from lightning_hier import _validate as v
 from lightning_hier.algorithms.centers import CenterPolicy
@@ -124,14 +125,17 @@ class GrawaStrategy(AveragingStrategy):
         self._configure(tau, lam, rho, sync_buffers, bucket_size_mb)
 
     @classmethod
+    @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         cls._register_family(strategy_registry, "grawa")
         cls._register_family(strategy_registry, "mgrawa", variant="model")
         cls._register_family(strategy_registry, "lgrawa", variant="layer")
 
+    @override
     def _policy(self) -> CenterPolicy:
         return GradientWeightedCenter(self.variant, self.beta, self.eps, self.p, self.norm)
 
+    @override
     def on_train_start(self) -> None:
         super().on_train_start()
         module = self.lightning_module
@@ -140,6 +144,7 @@ class GrawaStrategy(AveragingStrategy):
             loaders = module.trainer.train_dataloader
             self._fresh = fresh_batches_of(loaders, self.probe_seed, self.global_rank, type(self).__name__)
 
+    @override
     def _norms(self) -> Callable[[], Tensor] | None:
         if self.probe == "step" or self.algorithm is None:
             return None

@@ -19,6 +19,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
+from typing_extensions import override
 
 from lightning_hier import _validate as v
 from lightning_hier.algorithms.averaging import float_buffers
@@ -132,6 +133,7 @@ class Grid2DStrategy(HierStrategy):
         """``(Pr, Pc)``; ``None`` while ``'auto'`` is undecided (before the processes start)."""
         return self._grid
 
+    @override
     def _layout(self) -> dict[str, int]:
         if self._grid is None:
             return {}  # 'auto': decided in each rank once the model is known
@@ -144,6 +146,7 @@ class Grid2DStrategy(HierStrategy):
             )
         return {"model": pr}
 
+    @override
     def _resolve_layout(self) -> None:
         if self._grid is not None:
             return
@@ -215,10 +218,12 @@ class Grid2DStrategy(HierStrategy):
             self._set_collective_timeout()
             self.grid_context = GridContext.from_groups(self.groups, self.grid_stats)
 
+    @override
     def setup_environment(self) -> None:
         super().setup_environment()
         self.grid_context = GridContext.from_groups(self.groups, self.grid_stats)
 
+    @override
     def setup(self, trainer: pl.Trainer) -> None:
         if self._grid is None:
             self._grid_from_first_batch(trainer)
@@ -251,9 +256,11 @@ class Grid2DStrategy(HierStrategy):
         return example
 
     @property
+    @override
     def restore_checkpoint_after_setup(self) -> bool:
         return True  # the per-rank states are of the grid model, which exists only after setup
 
+    @override
     def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
         module = self.lightning_module
         assert module is not None and self.grid_context is not None
@@ -264,6 +271,7 @@ class Grid2DStrategy(HierStrategy):
             to_grid(module, self.grid_context, self._example(module, network), network or "")
         return model
 
+    @override
     def _sync_initial_state(self) -> None:
         # weights were broadcast before sharding; the RNG must agree inside each MODEL group so that
         # dropout masks and augmentation match on ranks that compute the same activations
@@ -271,6 +279,7 @@ class Grid2DStrategy(HierStrategy):
         if g is not None and g.model_group is not None:
             restore_rng(broadcast_object(capture_rng(), g.model_ranks[0], g.model_group))
 
+    @override
     def _setup_algorithm(self, trainer: pl.Trainer) -> None:
         self._require_single_optimizer()
         if trainer.gradient_clip_val and trainer.gradient_clip_algorithm != "value":
@@ -281,6 +290,7 @@ class Grid2DStrategy(HierStrategy):
         assert self.lightning_module is not None and self.grid_context is not None
         self.reducer = GradientReducer(self.lightning_module, self.grid_context)
 
+    @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         reducer = self.reducer
         assert reducer is not None
@@ -296,6 +306,7 @@ class Grid2DStrategy(HierStrategy):
 
     # ------------------------------------------------------------------ consensus and checkpoints
     @contextmanager
+    @override
     def _consensus(self) -> Iterator[None]:
         buffers = self._block_buffers()
         saved = [b.clone() for b in buffers]
@@ -307,6 +318,7 @@ class Grid2DStrategy(HierStrategy):
                 for b, s in zip(buffers, saved, strict=True):
                     b.copy_(s)
 
+    @override
     def _finalize_algorithm(self) -> None:
         self._average_buffers(self._block_buffers())
 
@@ -319,18 +331,21 @@ class Grid2DStrategy(HierStrategy):
             with torch.no_grad():
                 all_reduce_mean_(buffers, self.grid_context.batch_group, self.comm_stats)
 
+    @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The ordinary network's state (sharded weights gathered): loads into the unsharded model."""
         assert self.lightning_module is not None
         with self._consensus():
             return ckpt.detach_state(full_state_dict(self.lightning_module))
 
+    @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
         if self._restored is not None:  # runs after setup here (restore_checkpoint_after_setup)
             self._apply_restored_state()
         return checkpoint
 
+    @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         if self._restored is not None:
             super().load_model_state_dict(checkpoint, strict)
@@ -338,6 +353,7 @@ class Grid2DStrategy(HierStrategy):
             assert self.lightning_module is not None
             load_full_state_dict(self.lightning_module, checkpoint["state_dict"], strict)
 
+    @override
     def _configure_launcher(self) -> None:
         super()._configure_launcher()
         if isinstance(self._launcher, _ReportingLauncher):
@@ -347,6 +363,7 @@ class Grid2DStrategy(HierStrategy):
 class _GridLauncher(_ReportingLauncher):
     """Spawn/fork launcher that hands the *ordinary* (gathered) weights back to the main process."""
 
+    @override
     def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> Any:
         full = self._strategy.lightning_module_state_dict()  # a collective: on every rank
         output = super()._collect_rank_zero_results(trainer, results)

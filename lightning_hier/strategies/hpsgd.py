@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
+from typing_extensions import override
 
 from lightning_hier import _validate as v
 from lightning_hier.algorithms.compression import COMPRESSIONS
@@ -110,6 +111,7 @@ class HPSGDStrategy(AlgorithmStrategy[HPSGD]):
         self.algorithm = None
         self._control_group: dist.ProcessGroup | None = None
 
+    @override
     def _setup_algorithm(self, trainer: pl.Trainer) -> None:
         optimizer = self._require_single_optimizer()
         module: nn.Module = self.lightning_module  # type: ignore[assignment]
@@ -140,6 +142,7 @@ class HPSGDStrategy(AlgorithmStrategy[HPSGD]):
                     self._control_group = group
         return self._control_group
 
+    @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         assert self.algorithm is not None

@@ -43,6 +43,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, post_localSGD_hook, powerSGD_hook
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
+from typing_extensions import override
 
 from lightning_hier import _validate as v
 from lightning_hier.comm import all_reduce_mean_
@@ -139,6 +140,7 @@ class DDPCommHookStrategy(FiniteChecks, DDPStrategy):
         )
 
     @classmethod
+    @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         """Register ``ddp_post_local_sgd``, ``ddp_powersgd``, ``ddp_fp16`` and their ``_spawn`` / ``_fork`` names."""
         for name, hook in REGISTRY_NAMES.items():
@@ -146,6 +148,7 @@ class DDPCommHookStrategy(FiniteChecks, DDPStrategy):
                 strategy_registry, cls, name, f"DDP with torch's {hook} communication hook, on any device", hook=hook
             )
 
+    @override
     def _setup_model(self, model: Module) -> DistributedDataParallel:
         if self.hook == "powersgd" and dist.get_backend() != "nccl":
             self._ddp_kwargs["bucket_cap_mb"] = self._one_bucket_mb(model)
@@ -164,6 +167,7 @@ class DDPCommHookStrategy(FiniteChecks, DDPStrategy):
             )
         return self.bucket_cap_mb
 
+    @override
     def _register_ddp_hooks(self) -> None:
         # Lightning registers the hook only on CUDA; a fresh state per fit (PowerSGD keeps error
         # feedback and step counters in it, post-local SGD its step counter).
@@ -189,11 +193,13 @@ class DDPCommHookStrategy(FiniteChecks, DDPStrategy):
         return None  # fp16: the state is the process group (None: the world)
 
     # ------------------------------------------------------------------ end of fit (post_local_sgd)
+    @override
     def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)
         if self.hook == "post_local_sgd" and trainer.state.fn == TrainerFn.FITTING:
             _finish.install(trainer)
 
+    @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
         self._finished = False  # training goes on: the replicas may drift apart again
@@ -206,6 +212,7 @@ class DDPCommHookStrategy(FiniteChecks, DDPStrategy):
             all_reduce_mean_([p.data for p in self.lightning_module.parameters()], dist.group.WORLD)
         self._finished = True
 
+    @override
     def on_train_end(self) -> None:
         self.finish_training()  # a no-op unless a stop came that FinishFit did not predict
         super().on_train_end()
