@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.demos.boring_classes import BoringModel, RandomDataset
 from torch import Tensor, nn
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_hier.layers import full_state_dict
 
-__all__ = ["BoringModel", "SameWeightsOnEveryRank", "UserModule"]
+__all__ = ["BoringModel", "SameWeightsOnEveryRank", "UserClassifier", "UserModule"]
 
 
 class UserModule(pl.LightningModule):
@@ -34,10 +32,35 @@ class UserModule(pl.LightningModule):
         return DataLoader(RandomDataset(32, 64), batch_size=4)
 
 
-class SameWeightsOnEveryRank(Callback):
-    """Fails the fit unless every rank holds the same whole (gathered) model when fit ends."""
+class UserClassifier(pl.LightningModule):
+    """A classifier with its network under ``self.model``, ``(x, y)`` batches, Nesterov SGD, logging."""
 
-    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        loss = nn.functional.cross_entropy(self.model(x), y)
+        self.log("loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9, nesterov=True)
+
+    def train_dataloader(self) -> DataLoader:
+        x = torch.randn(96, 16, generator=torch.Generator().manual_seed(0))
+        return DataLoader(TensorDataset(x, x[:, :4].argmax(1)), batch_size=8, shuffle=True)
+
+
+class SameWeightsOnEveryRank(Callback):
+    """Fails the fit unless every rank holds the same whole (gathered) model in ``on_train_end``.
+
+    A user's hook: it runs before the strategy's own ``on_train_end``, so it sees what every
+    strategy promises to have finished right after the last optimizer step.
+    """
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         flat = torch.cat([t.detach().reshape(-1).double() for t in full_state_dict(pl_module).values()])
         gathered = [torch.empty_like(flat) for _ in range(trainer.world_size)]
         dist.all_gather(gathered, flat)
