@@ -11,7 +11,7 @@ hooks where it acts:
 - failure handling: a failing rank reports to the store, peers name it, a watchdog ends ranks
   left hanging, and popen children are killed (see :mod:`lightning_hier.comm.failures`);
 - checkpoints that hold every rank's model, optimizer, RNG and algorithm state, checked on
-  resume (see :mod:`lightning_hier.strategies._checkpoint`);
+  resume (the :class:`~lightning_hier.strategies._checkpointing.CheckpointingStrategy` layer);
 - the *consensus* model (global / center / average): validated during fit, saved as the
   checkpoint's ``state_dict`` and left in every rank's module at the end of fit;
 - registration of ``name``, ``name_spawn`` and ``name_fork``.
@@ -27,8 +27,7 @@ import logging
 import os
 import signal
 import uuid
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -37,10 +36,9 @@ import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.distributed import _sync_ddp_if_available
-from lightning.fabric.utilities.optimizer import _optimizer_to_device, _optimizers_to_device
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
@@ -50,11 +48,11 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_hier import _validate as v
-from lightning_hier.comm import CommStats, FailureBoard, broadcast_, broadcast_object, gather_objects
+from lightning_hier.comm import CommStats, FailureBoard, broadcast_, broadcast_object
 from lightning_hier.comm.failures import is_communication_error
-from lightning_hier.rng import capture_rng, restore_rng
-from lightning_hier.strategies import _checkpoint as ckpt
+from lightning_hier.rng import restore_rng
 from lightning_hier.strategies import _finish
+from lightning_hier.strategies._checkpointing import CheckpointingStrategy
 from lightning_hier.strategies._finite import FiniteChecks, warn_if_not_finite
 from lightning_hier.strategies._launchers import _ReportingLauncher
 from lightning_hier.strategies._registry import register_family
@@ -62,7 +60,6 @@ from lightning_hier.topology import ProcessGroups, Topology
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
-    from lightning.fabric.utilities.types import _PATH
     from torch.optim import Optimizer
 
 log = logging.getLogger(__name__)
@@ -73,7 +70,7 @@ START_METHODS = ("popen", "spawn", "fork")
 BACKENDS = (None, "gloo", "nccl", "mpi")
 
 
-class HierStrategy(FiniteChecks, ParallelStrategy):
+class HierStrategy(FiniteChecks, CheckpointingStrategy):
     """Base class of the lightning-hier strategies (see the module docstring).
 
     Args:
@@ -143,6 +140,7 @@ class HierStrategy(FiniteChecks, ParallelStrategy):
         """Decide a layout chosen at run time (each rank, default group up, before groups are built)."""
 
     @property
+    @override
     def topology(self) -> Topology:
         """The validated rank layout (pure arithmetic; available before processes start)."""
         return Topology(world_size=self.num_nodes * self.num_processes, num_nodes=self.num_nodes, **self._layout())
@@ -291,15 +289,6 @@ class HierStrategy(FiniteChecks, ParallelStrategy):
     def _finalize_algorithm(self) -> None:
         """Leave the consensus model in every rank's module (called at the end of fit)."""
 
-    @contextmanager
-    def _consensus(self) -> Iterator[None]:
-        """Temporarily hold the consensus model in the module (validation during fit, saving)."""
-        yield
-
-    def _algorithm_state(self) -> dict[str, Any]:
-        """This rank's algorithm state for checkpoints (tensors and plain types)."""
-        return {}
-
     def _load_algorithm_state(self, state: dict[str, Any]) -> None:
         """Inverse of :meth:`_algorithm_state`, applied at the end of ``setup`` on resume."""
 
@@ -421,92 +410,6 @@ class HierStrategy(FiniteChecks, ParallelStrategy):
         if isinstance(tensor, Tensor):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
-
-    # ------------------------------------------------------------------ checkpoints
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The consensus model: what ``trainer.save_checkpoint`` stores as ``state_dict``."""
-        assert self.lightning_module is not None
-        with self._consensus():
-            return ckpt.detach_state(self.lightning_module.state_dict())
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
-        """Gather every rank's state into the checkpoint; rank 0 writes it atomically.
-
-        A collective: every rank must call it (``trainer.save_checkpoint`` does). Calling it on
-        rank 0 only (``if trainer.is_global_zero: trainer.save_checkpoint(...)``) deadlocks.
-        """
-        filepath = self.broadcast(filepath)
-        if "optimizer_states" in checkpoint:  # a full checkpoint, not weights_only
-            with self._replicas_in_place():
-                states = gather_objects(self._rank_state(checkpoint), dst=0, group=dist.group.WORLD)
-            if self.is_global_zero:
-                assert states is not None
-                checkpoint[ckpt.STATE_KEY] = ckpt.strategy_section(
-                    self.strategy_name or type(self).__name__, self.topology.describe(), states
-                )
-        if not self.is_global_zero:
-            return
-        if storage_options is None and "://" not in str(filepath):
-            ckpt.atomic_save(checkpoint, filepath)
-        else:
-            self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-
-    @contextmanager
-    def _replicas_in_place(self) -> Iterator[None]:
-        """Put the replicas back while inside validation's consensus (a checkpoint saved there).
-
-        Each rank must store its own replica, not the consensus it is validating; the consensus is
-        entered again afterwards (a collective for some algorithms: every rank saves together).
-        """
-        if self._eval_stack is None:
-            yield
-            return
-        self._eval_stack.close()
-        try:
-            yield
-        finally:
-            self._eval_stack = ExitStack()
-            self._eval_stack.enter_context(self._consensus())
-
-    def _rank_state(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
-        assert self.lightning_module is not None
-        return {
-            "model": ckpt.detach_state(self.lightning_module.state_dict()),
-            "optimizer_states": checkpoint.get("optimizer_states", []),
-            "rng": capture_rng(),
-            "algorithm": ckpt.detach_state(self._algorithm_state()),
-            "comm": self.comm_stats.state_dict(),
-        }
-
-    @override
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
-        module = self.lightning_module
-        fitting = module is not None and module._trainer is not None and module.trainer.state.fn == TrainerFn.FITTING
-        if fitting:
-            self._restored = ckpt.select_rank_state(
-                checkpoint,
-                str(checkpoint_path),
-                self.strategy_name or type(self).__name__,
-                self.topology.describe(),
-                self.global_rank,
-            )
-        return checkpoint
-
-    @override
-    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        assert self.lightning_module is not None
-        state = self._restored["model"] if self._restored is not None else checkpoint["state_dict"]
-        self.lightning_module.load_state_dict(state, strict=strict)
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        states = self._restored["optimizer_states"] if self._restored is not None else checkpoint["optimizer_states"]
-        for optimizer, state in zip(self.optimizers, states, strict=True):
-            optimizer.load_state_dict(state)
-            _optimizer_to_device(optimizer, self.root_device)
 
     # ------------------------------------------------------------------ registration
     @classmethod

@@ -1,0 +1,145 @@
+"""Checkpoints of every lightning-hier strategy: each rank's full state in one file, the consensus as ``state_dict``.
+
+:class:`CheckpointingStrategy` is the layer of :class:`~lightning_hier.strategies._base.HierStrategy`
+that talks to Lightning's checkpoint hooks. ``trainer.save_checkpoint`` gathers every rank's
+model, optimizer, RNG and algorithm state to rank 0, which writes one file atomically; the
+checkpoint's ``state_dict`` is the *consensus* model (what validation sees). On resume each rank
+takes its own state back, checked against this run's strategy and layout (the format lives in
+:mod:`lightning_hier.strategies._checkpoint`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch.distributed as dist
+from lightning.fabric.utilities.optimizer import _optimizer_to_device
+from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from typing_extensions import override
+
+from lightning_hier.comm import CommStats, gather_objects
+from lightning_hier.rng import capture_rng
+from lightning_hier.strategies import _checkpoint as ckpt
+
+if TYPE_CHECKING:
+    from lightning.fabric.utilities.types import _PATH
+
+    from lightning_hier.topology import Topology
+
+
+class CheckpointingStrategy(ParallelStrategy):
+    """Lightning's checkpoint hooks for strategies whose ranks hold different state (see the module docstring).
+
+    Subclasses provide :attr:`topology`, and override :meth:`_consensus` and
+    :meth:`_algorithm_state` (the defaults: the replica is the consensus, no algorithm state).
+    """
+
+    strategy_name: ClassVar[str] = ""
+    """Registry name; also written into checkpoints, which are refused by another strategy."""
+
+    comm_stats: CommStats
+    _restored: dict[str, Any] | None = None  # this rank's saved state, between load and on_train_start
+    _eval_stack: ExitStack | None = None  # the consensus entered for validation
+
+    @property
+    def topology(self) -> Topology:
+        """The rank layout, written into checkpoints and checked on resume."""
+        raise NotImplementedError
+
+    @contextmanager
+    def _consensus(self) -> Iterator[None]:
+        """Temporarily hold the consensus model in the module (validation during fit, saving)."""
+        yield
+
+    def _algorithm_state(self) -> dict[str, Any]:
+        """This rank's algorithm state for checkpoints (tensors and plain types)."""
+        return {}
+
+    # ------------------------------------------------------------------ checkpoints
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The consensus model: what ``trainer.save_checkpoint`` stores as ``state_dict``."""
+        assert self.lightning_module is not None
+        with self._consensus():
+            return ckpt.detach_state(self.lightning_module.state_dict())
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        """Gather every rank's state into the checkpoint; rank 0 writes it atomically.
+
+        A collective: every rank must call it (``trainer.save_checkpoint`` does). Calling it on
+        rank 0 only (``if trainer.is_global_zero: trainer.save_checkpoint(...)``) deadlocks.
+        """
+        filepath = self.broadcast(filepath)
+        if "optimizer_states" in checkpoint:  # a full checkpoint, not weights_only
+            with self._replicas_in_place():
+                states = gather_objects(self._rank_state(checkpoint), dst=0, group=dist.group.WORLD)
+            if self.is_global_zero:
+                assert states is not None
+                checkpoint[ckpt.STATE_KEY] = ckpt.strategy_section(
+                    self.strategy_name or type(self).__name__, self.topology.describe(), states
+                )
+        if not self.is_global_zero:
+            return
+        if storage_options is None and "://" not in str(filepath):
+            ckpt.atomic_save(checkpoint, filepath)
+        else:
+            self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @contextmanager
+    def _replicas_in_place(self) -> Iterator[None]:
+        """Put the replicas back while inside validation's consensus (a checkpoint saved there).
+
+        Each rank must store its own replica, not the consensus it is validating; the consensus is
+        entered again afterwards (a collective for some algorithms: every rank saves together).
+        """
+        if self._eval_stack is None:
+            yield
+            return
+        self._eval_stack.close()
+        try:
+            yield
+        finally:
+            self._eval_stack = ExitStack()
+            self._eval_stack.enter_context(self._consensus())
+
+    def _rank_state(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
+        assert self.lightning_module is not None
+        return {
+            "model": ckpt.detach_state(self.lightning_module.state_dict()),
+            "optimizer_states": checkpoint.get("optimizer_states", []),
+            "rng": capture_rng(),
+            "algorithm": ckpt.detach_state(self._algorithm_state()),
+            "comm": self.comm_stats.state_dict(),
+        }
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
+        module = self.lightning_module
+        fitting = module is not None and module._trainer is not None and module.trainer.state.fn == TrainerFn.FITTING
+        if fitting:
+            self._restored = ckpt.select_rank_state(
+                checkpoint,
+                str(checkpoint_path),
+                self.strategy_name or type(self).__name__,
+                self.topology.describe(),
+                self.global_rank,
+            )
+        return checkpoint
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        assert self.lightning_module is not None
+        state = self._restored["model"] if self._restored is not None else checkpoint["state_dict"]
+        self.lightning_module.load_state_dict(state, strict=strict)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        states = self._restored["optimizer_states"] if self._restored is not None else checkpoint["optimizer_states"]
+        for optimizer, state in zip(self.optimizers, states, strict=True):
+            optimizer.load_state_dict(state)
+            _optimizer_to_device(optimizer, self.root_device)
