@@ -5,6 +5,8 @@ Strategies call these in their constructors, so bad values fail before any proce
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Iterable
 from typing import Any, TypeVar
 
@@ -16,10 +18,11 @@ def _fail(owner: str, name: str, value: Any, allowed: str) -> ValueError:
 
 
 def check_int(owner: str, name: str, value: Any, minimum: int | None = None, maximum: int | None = None) -> int:
-    """An integer (not a bool) within ``[minimum, maximum]``."""
+    """An integer of any integral type (``int``, ``numpy.int64``, ...; not a bool) within ``[minimum, maximum]``."""
     allowed = "an integer" + _bounds(minimum, maximum, True, True)
-    if isinstance(value, bool) or not isinstance(value, int):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise _fail(owner, name, value, allowed)
+    value = int(value)  # a plain int from here on (numpy integers overflow silently)
     if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
         raise _fail(owner, name, value, allowed)
     return value
@@ -34,15 +37,18 @@ def check_float(
     low_inclusive: bool = True,
     high_inclusive: bool = True,
 ) -> float:
-    """A real number within the given (half-)open or closed interval."""
+    """A finite real number (of any real type, not a bool) within the given (half-)open or closed interval."""
     allowed = "a number" + _bounds(low, high, low_inclusive, high_inclusive)
-    if isinstance(value, bool) or not isinstance(value, int | float) or value != value:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or value != value:
         raise _fail(owner, name, value, allowed)
-    too_low = low is not None and (value < low or (value == low and not low_inclusive))
-    too_high = high is not None and (value > high or (value == high and not high_inclusive))
+    number = float(value)
+    if not math.isfinite(number):  # inf passes open-ended bounds but breaks every computation later
+        raise _fail(owner, name, value, "a finite number" + _bounds(low, high, low_inclusive, high_inclusive))
+    too_low = low is not None and (number < low or (number == low and not low_inclusive))
+    too_high = high is not None and (number > high or (number == high and not high_inclusive))
     if too_low or too_high:
         raise _fail(owner, name, value, allowed)
-    return float(value)
+    return number
 
 
 def check_choice(owner: str, name: str, value: T, choices: Iterable[T]) -> T:

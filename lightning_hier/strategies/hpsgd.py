@@ -99,9 +99,7 @@ class HPSGDStrategy(AlgorithmStrategy[HPSGD]):
         self.window = v.check_int(owner, "window", window, minimum=1)
         self.mode = v.check_choice(owner, "mode", mode, MODES)
         self.merge = v.check_choice(owner, "merge", merge, MERGES)
-        self.outer_lr = v.check_float(
-            owner, "outer_lr", outer_lr, low=0.0, high=float("inf"), low_inclusive=False, high_inclusive=False
-        )
+        self.outer_lr = v.check_float(owner, "outer_lr", outer_lr, low=0.0, low_inclusive=False)
         self.outer_momentum = v.check_float(
             owner, "outer_momentum", outer_momentum, low=0.0, high=1.0, high_inclusive=False
         )

@@ -38,3 +38,29 @@ def test_rng_round_trip_and_weights_only_serialisation():
     restore_rng(torch.load(buf, weights_only=True))
     second = (torch.rand(3), random.random(), np.random.rand())
     assert torch.equal(first[0], second[0]) and first[1:] == second[1:]
+
+
+@pytest.mark.parametrize("value", [np.int64(4), np.int32(4), np.uint8(4)])
+def test_any_integral_type_is_an_integer(value):
+    got = v.check_int("S", "window", value, minimum=1)
+    assert got == 4 and type(got) is int
+
+
+@pytest.mark.parametrize("value", [float("inf"), -float("inf"), np.float64("inf")])
+def test_non_finite_floats_are_rejected_even_without_an_upper_bound(value):
+    with pytest.raises(ValueError, match=r"S: argument `eps` must be a finite number > 0.0, got .*inf"):
+        v.check_float("S", "eps", value, low=0.0, low_inclusive=False)
+
+
+def test_numpy_floats_are_numbers():
+    assert v.check_float("S", "lr", np.float32(0.5), 0.0, 1.0) == 0.5
+
+
+def test_strategies_reject_infinities_and_accept_numpy_integers_before_launch():
+    from lightning_hier import GrawaStrategy, HPSGDStrategy
+
+    with pytest.raises(ValueError, match=r"GrawaStrategy: argument `eps` must be a finite number"):
+        GrawaStrategy(eps=float("inf"))
+    with pytest.raises(ValueError, match=r"HPSGDStrategy: argument `bucket_size_mb` must be a finite number"):
+        HPSGDStrategy(bucket_size_mb=float("inf"))
+    assert HPSGDStrategy(window=np.int64(4)).window == 4
