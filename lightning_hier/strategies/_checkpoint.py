@@ -102,6 +102,7 @@ def atomic_save(checkpoint: Mapping[str, Any], filepath: str | Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, _plain_file_mode())  # mkstemp makes 0600; Lightning's own writes follow the umask
         with os.fdopen(fd, "wb") as f:
             torch.save(dict(checkpoint), f)
             f.flush()
@@ -110,3 +111,10 @@ def atomic_save(checkpoint: Mapping[str, Any], filepath: str | Path) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _plain_file_mode() -> int:
+    """The mode ``open(path, "w")`` gives a new file: 0666 less the process umask (0644 usually)."""
+    umask = os.umask(0)  # the only portable way to read it: set and restore at once
+    os.umask(umask)
+    return 0o666 & ~umask

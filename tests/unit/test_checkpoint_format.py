@@ -50,3 +50,14 @@ def test_atomic_save_never_corrupts_the_previous_file(tmp_path):
         ckpt.atomic_save({"v": _Unpicklable()}, path)
     assert torch.equal(torch.load(path, weights_only=True)["v"], torch.ones(3))
     assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]  # no temporary file left behind
+
+
+def test_atomic_save_writes_files_with_the_mode_of_a_plain_open(tmp_path):
+    import os
+    import stat
+
+    path = tmp_path / "a.ckpt"
+    ckpt.atomic_save({"v": torch.ones(1)}, path)
+    plain = tmp_path / "plain"
+    plain.write_bytes(b"")  # what Lightning's own checkpoint writes get: 0666 less the umask
+    assert stat.S_IMODE(os.stat(path).st_mode) == stat.S_IMODE(os.stat(plain).st_mode)
