@@ -53,6 +53,7 @@ from lightning_hier.comm.failures import is_communication_error
 from lightning_hier.rng import restore_rng
 from lightning_hier.strategies import _finish
 from lightning_hier.strategies._checkpointing import CheckpointingStrategy
+from lightning_hier.strategies._finish import FinishOnce
 from lightning_hier.strategies._finite import FiniteChecks, warn_if_not_finite
 from lightning_hier.strategies._launchers import _ReportingLauncher
 from lightning_hier.strategies._registry import register_family
@@ -70,7 +71,7 @@ START_METHODS = ("popen", "spawn", "fork")
 BACKENDS = (None, "gloo", "nccl", "mpi")
 
 
-class HierStrategy(FiniteChecks, CheckpointingStrategy):
+class HierStrategy(FinishOnce, FiniteChecks, CheckpointingStrategy):
     """Base class of the lightning-hier strategies (see the module docstring).
 
     Args:
@@ -129,7 +130,6 @@ class HierStrategy(FiniteChecks, CheckpointingStrategy):
         self._eval_stack: ExitStack | None = None
         self.comm_stats = CommStats()
         self.last_metrics: dict[str, float] = {}
-        self._finished = False  # finalized since the last training batch started
 
     # ------------------------------------------------------------------ layout and ranks
     def _layout(self) -> dict[str, int]:
@@ -286,8 +286,9 @@ class HierStrategy(FiniteChecks, CheckpointingStrategy):
     def _setup_algorithm(self, trainer: pl.Trainer) -> None:
         """Build the algorithm object (called at the end of ``setup`` when fitting)."""
 
+    @override
     def _finalize_algorithm(self) -> None:
-        """Leave the consensus model in every rank's module (called at the end of fit)."""
+        """Leave the consensus model in every rank's module (called right after the fit's last step)."""
 
     def _load_algorithm_state(self, state: dict[str, Any]) -> None:
         """Inverse of :meth:`_algorithm_state`, applied at the end of ``setup`` on resume."""
@@ -328,7 +329,7 @@ class HierStrategy(FiniteChecks, CheckpointingStrategy):
 
     @override
     def on_train_start(self) -> None:
-        self._finished = False
+        super().on_train_start()
         if self._restored is not None:
             restore_rng(self._restored["rng"])  # the last moment before training draws from it
         self._restored = None  # everything is restored by now (optimizer states come after setup)
@@ -349,29 +350,9 @@ class HierStrategy(FiniteChecks, CheckpointingStrategy):
             dataloader.generator = torch.Generator().manual_seed(seed)
         return dataloader
 
-    def finish_training(self) -> None:
-        """Leave the finished (consensus) model in every rank's module, once per end of training.
-
-        A collective. The internal callback of :mod:`lightning_hier.strategies._finish` calls it
-        right after the fit's last optimizer step, not in this strategy's ``on_train_end``, which
-        Lightning runs after every user ``on_train_end``: the last epoch's validation and
-        checkpoints, user ``on_train_end`` / ``on_fit_end`` hooks (collectives in them included)
-        and ``fit()``'s result all see the same finished model on every rank. It runs again, as a
-        no-op, from ``on_train_end``; a later training batch re-arms it, so a wrong guess of the
-        last step costs one extra merge.
-        """
-        if not self._finished:
-            self._finalize_algorithm()
-            self._finished = True
-
-    @override
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        super().on_train_batch_start(batch, batch_idx)
-        self._finished = False  # training goes on: the replicas may differ again
-
     @override
     def on_train_end(self) -> None:
-        self.finish_training()
+        super().on_train_end()  # finishes (FinishOnce), as a no-op when FinishFit already did
         warn_if_not_finite(self.lightning_module, type(self).__name__, self.global_rank)
 
     @override

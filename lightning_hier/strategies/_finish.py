@@ -47,6 +47,46 @@ class Finishes(Protocol):
         """Leave the finished (consensus) model in every rank's module; a collective."""
 
 
+class FinishOnce:
+    """Mixin of a Lightning ``Strategy``: finish its algorithm once per end of training.
+
+    :meth:`finish_training` runs :meth:`_finalize_algorithm` once; the next training batch (or a
+    new fit) re-arms it, so a wrong guess of the last step costs one extra finish. The strategy's
+    own ``on_train_end`` finishes too, as a no-op when :class:`FinishFit` already did. Placed
+    before the Lightning strategy base in the class bases.
+    """
+
+    _finished = False  # finalized since the last training batch started
+
+    def _finalize_algorithm(self) -> None:
+        """Leave the finished (consensus) model in every rank's module; a collective."""
+
+    def finish_training(self) -> None:
+        """Leave the finished (consensus) model in every rank's module, once per end of training.
+
+        A collective. :class:`FinishFit` calls it right after the fit's last optimizer step, not
+        in the strategy's ``on_train_end``, which Lightning runs after every user
+        ``on_train_end``: the last epoch's validation and checkpoints, user ``on_train_end`` /
+        ``on_fit_end`` hooks (collectives in them included) and ``fit()``'s result all see the same
+        finished model on every rank.
+        """
+        if not self._finished:
+            self._finalize_algorithm()
+            self._finished = True
+
+    def on_train_start(self) -> None:
+        super().on_train_start()  # type: ignore[misc]
+        self._finished = False
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)  # type: ignore[misc]
+        self._finished = False  # training goes on: the replicas may differ again
+
+    def on_train_end(self) -> None:
+        self.finish_training()  # a no-op unless a stop came that FinishFit did not predict
+        super().on_train_end()  # type: ignore[misc]
+
+
 class FinishFit(Callback):
     """Finish the strategy's algorithm after the last optimizer step of fit (see the module docstring)."""
 

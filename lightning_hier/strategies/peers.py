@@ -49,6 +49,7 @@ from lightning_hier import _validate as v
 from lightning_hier.comm import all_reduce_mean_
 from lightning_hier.strategies import _finish
 from lightning_hier.strategies._base import BACKENDS, DEFAULT_TIMEOUT_S, _check_timeout
+from lightning_hier.strategies._finish import FinishOnce
 from lightning_hier.strategies._finite import FiniteChecks
 from lightning_hier.strategies._registry import register_family
 
@@ -69,7 +70,7 @@ MIN_WARMUP = {"post_local_sgd": 0, "powersgd": 2}
 _SET_BY_HOOK = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper")
 
 
-class DDPCommHookStrategy(FiniteChecks, DDPStrategy):
+class DDPCommHookStrategy(FinishOnce, FiniteChecks, DDPStrategy):
     """Lightning's DDP with a torch communication hook (PostLocalSGD, PowerSGD or fp16), on any device.
 
     Args:
@@ -200,22 +201,11 @@ class DDPCommHookStrategy(FiniteChecks, DDPStrategy):
             _finish.install(trainer)
 
     @override
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        super().on_train_batch_start(batch, batch_idx)
-        self._finished = False  # training goes on: the replicas may drift apart again
-
-    def finish_training(self) -> None:
+    def _finalize_algorithm(self) -> None:
         """Average the post-local SGD replicas once, after the last optimizer step (a collective)."""
-        if self.hook != "post_local_sgd" or getattr(self, "_finished", False) or self.lightning_module is None:
-            return
-        with torch.no_grad():
-            all_reduce_mean_([p.data for p in self.lightning_module.parameters()], dist.group.WORLD)
-        self._finished = True
-
-    @override
-    def on_train_end(self) -> None:
-        self.finish_training()  # a no-op unless a stop came that FinishFit did not predict
-        super().on_train_end()
+        if self.hook == "post_local_sgd" and self.lightning_module is not None:
+            with torch.no_grad():
+                all_reduce_mean_([p.data for p in self.lightning_module.parameters()], dist.group.WORLD)
 
 
 _HOOK_FUNCTIONS: dict[str, Callable[..., torch.futures.Future[torch.Tensor]]] = {
