@@ -84,8 +84,8 @@ def probe_grad_norms(params: Sequence[Tensor], loss_fn: Callable[[], Tensor], bu
         loss_fn: Computes the probe loss (e.g. the training loss of one batch).
         buffers: Saved and restored around the probe (e.g. ``module.buffers()``).
     """
-    # finalize may run inside Lightning's evaluation loop (inference mode) or under no_grad
-    with preserved(params, buffers), torch.inference_mode(False), torch.enable_grad():
+    # a final round may run under no_grad (the strategy leaves inference mode before finalizing)
+    with preserved(params, buffers), torch.enable_grad():
         loss_fn().backward()
         return grad_norms(params)
 

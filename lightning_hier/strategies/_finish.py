@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
@@ -71,7 +72,10 @@ class FinishOnce:
         finished model on every rank.
         """
         if not self._finished:
-            self._finalize_algorithm()
+            # FinishFit may call this from on_validation_start, inside Lightning's inference mode:
+            # what finalizing creates (a center, a probe's graph) must stay usable if training goes on
+            with torch.inference_mode(False):
+                self._finalize_algorithm()
             self._finished = True
 
     def on_train_start(self) -> None:
