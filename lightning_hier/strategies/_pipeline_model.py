@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, nn
 from typing_extensions import override
 
+from lightning_hier import _validate as v
 from lightning_hier.algorithms.decoupled import balanced_split, check_split_points, measure_block_costs, stage_ranges
 from lightning_hier.comm import broadcast_, gather_objects
 from lightning_hier.comm.collectives import Group
@@ -172,11 +173,12 @@ def forward_replaced(target: nn.Module, forward: Any) -> Iterator[None]:
 
 def check_stages_argument(owner: str, stages: Any) -> int | str:
     """Validate the strategy's ``stages`` argument: ``'auto'`` or a positive integer."""
-    if stages == "auto":
+    if isinstance(stages, str) and stages == "auto":
         return "auto"
-    if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
-        raise ValueError(f"{owner}: argument `stages` must be 'auto' or an integer >= 1, got {stages!r}.")
-    return stages
+    try:
+        return v.check_int(owner, "stages", stages, minimum=1)  # any integral type, as every integer argument
+    except ValueError:
+        raise ValueError(f"{owner}: argument `stages` must be 'auto' or an integer >= 1, got {stages!r}.") from None
 
 
 def blocks_attr(module: nn.Module, module_attr: str | None) -> str:

@@ -246,10 +246,8 @@ class DecoupledStrategy(HierStrategy):
             split = self._choose_split(trainer, blocks, attr)
             self._cut = pm.cut(module, attr, split, self.num_stages, self.topology.coords(self.global_rank).pipe)
             self._split = self._cut.split
-        except ValueError as err:
-            message = str(err)  # the helpers' messages may already name the strategy
-            prefix = "" if message.startswith("DecoupledStrategy") else "DecoupledStrategy: "
-            raise ValueError(f"{prefix}{message}") from None
+        except ValueError as err:  # the helpers' messages do not name the strategy
+            raise ValueError(f"DecoupledStrategy: {err}") from None
         unexpected = [k for k in self._missing_on_load if k not in set(self._cut.foreign_keys())]
         if unexpected:
             raise ValueError(f"DecoupledStrategy: the checkpoint lacks this stage's entries {unexpected[:5]}.")
