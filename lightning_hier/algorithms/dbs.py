@@ -152,7 +152,6 @@ class DynamicBatchSize:
         self._fresh = True  # the first step after a (re)start carries one-off costs: not measured
         self._window: tuple[float, float] | None = None  # (start time, blocked seconds at start)
         self._window_samples = 0
-        self._window_batches = 0
         # gradient weight of the step: the share b_r / B (r_r / R for a last, smaller batch) of its
         # first micro-batch with samples; None until one arrives (0.0 if none has any)
         self._window_weight: float | None = None
@@ -196,7 +195,6 @@ class DynamicBatchSize:
             self._window = (self.clock(), self.stats.blocked_s)
         samples, total = self.allocation.consume_share()
         self._window_samples += samples
-        self._window_batches += 1
         self._window_partial |= total != self.allocation.global_batch
         share = samples / total
         if self._window_weight is None and samples > 0:
@@ -226,7 +224,7 @@ class DynamicBatchSize:
         """
         if self.group is None:
             return
-        assert self.allocation is not None and self._window_batches > 0, "begin_micro_batch() not called"
+        assert self.allocation is not None and self._window is not None, "begin_micro_batch() not called"
         weight = self._window_weight or 0.0
         grads: list[Tensor] = []
         for p in self.params:
@@ -257,7 +255,7 @@ class DynamicBatchSize:
             self.meter.add(self._window_samples, compute, idle)
         self._fresh = False
         self._window = None
-        self._window_samples = self._window_batches = 0
+        self._window_samples = 0
         self._window_weight, self._window_partial, self._loss_scale = None, False, 1.0
 
     # ------------------------------------------------------------------ rebalance

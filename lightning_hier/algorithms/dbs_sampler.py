@@ -85,10 +85,7 @@ class Allocation:
 
     def draw(self) -> tuple[int, int]:
         """Offset and size of this rank's slice of the next global batch (called by the sampler)."""
-        sizes = self.sizes_at(self.drawn)
-        self.drawn += 1
-        self._pending.append((sizes[self.rank], self.global_batch))
-        return sum(sizes[: self.rank]), sizes[self.rank]
+        return self._take(self.sizes_at(self.drawn), self.global_batch)
 
     def draw_last(self, remainder: int) -> tuple[int, int]:
         """Offset and size of this rank's slice of a last, smaller global batch of ``remainder`` samples.
@@ -96,14 +93,13 @@ class Allocation:
         The split is :func:`~lightning_hier.algorithms.dbs_split.split_remainder` of the current
         sizes (the same shares); the size may be 0.
         """
-        sizes = split_remainder(remainder, self.sizes_at(self.drawn))
-        self.drawn += 1
-        self._pending.append((sizes[self.rank], remainder))
-        return sum(sizes[: self.rank]), sizes[self.rank]
+        return self._take(split_remainder(remainder, self.sizes_at(self.drawn)), remainder)
 
-    def consume(self) -> int:
-        """Size of the batch the training loop is about to use (batches are consumed in drawn order)."""
-        return self.consume_share()[0]
+    def _take(self, sizes: Sequence[int], total: int) -> tuple[int, int]:
+        # the training loop consumes the batches in drawn order (consume_share)
+        self.drawn += 1
+        self._pending.append((sizes[self.rank], total))
+        return sum(sizes[: self.rank]), sizes[self.rank]
 
     def consume_share(self) -> tuple[int, int]:
         """This rank's samples in the batch the training loop is about to use, and the global batch's.

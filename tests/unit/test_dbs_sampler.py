@@ -73,7 +73,7 @@ def test_a_new_split_applies_to_batches_not_yet_drawn():
     assert drawn[:2] == [[5, 6, 7, 8, 9], [15, 16, 17, 18, 19]]  # rank 1, old split
     assert drawn[2] == [27, 28, 29]  # step 2: the slice after rank 0's 7 samples
     assert len(drawn) == N // 10
-    assert [alloc.consume() for _ in range(3)] == [5, 5, 3]  # sizes in the order the batches were drawn
+    assert [alloc.consume_share()[0] for _ in range(3)] == [5, 5, 3]  # sizes in the order the batches were drawn
     assert alloc.sizes_at(0) == [5, 5] and alloc.sizes_at(2) == [7, 3]
     next(iter(DynamicBatchSampler(N, alloc)))  # a new epoch starts with the newest split
     assert alloc.sizes_at(0) == [7, 3]
@@ -118,7 +118,7 @@ def test_the_loader_drop_last_reaches_the_sampler(drop_last):
 def test_allocation_checks():
     alloc = Allocation([5, 5], rank=0)
     with pytest.raises(RuntimeError, match="did not draw"):
-        alloc.consume()
+        alloc.consume_share()
     with pytest.raises(ValueError, match="not a split of 10"):
         alloc.update([6, 5], 0)
     with pytest.raises(ValueError, match=">= 1"):
