@@ -16,15 +16,14 @@ that never log; the strategy logs ``train/loss`` itself.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
 from typing import Any
 
 import lightning.pytorch as pl
 from torch import Tensor, nn
 
+from lightning_hier.strategies._finite import loss_of
 from lightning_hier.strategies._pipeline_model import forward_replaced
-from lightning_hier.strategies._user_model import describe, first_input
+from lightning_hier.strategies._user_model import describe, first_input, muted_logs
 
 
 class TrainingStepLoss:
@@ -63,7 +62,7 @@ class TrainingStepLoss:
             calls.append(tuple(args[0].shape) if args and isinstance(args[0], Tensor) else None)
             return output
 
-        with forward_replaced(self.network, network), _muted(self.module):
+        with forward_replaced(self.network, network), muted_logs(self.module):
             result = self.module.training_step(batch, batch_idx)
         owner = type(self.module).__name__
         if calls != [shape]:
@@ -74,25 +73,10 @@ class TrainingStepLoss:
                 f"input (shape {list(shape)}), but called it {len(calls)} time(s) with {seen}. "
                 "Call the network once on the batch's input, or define `pipeline_loss(output, target)` on the module."
             )
-        loss = result.get("loss") if isinstance(result, Mapping) else result
+        loss = loss_of(result)
         if not isinstance(loss, Tensor) or loss.numel() != 1:
             raise ValueError(
                 f"DecoupledStrategy: {owner}.training_step must return the loss (a scalar tensor, or a dict with "
                 f"'loss'), got {describe(result)}."
             )
         return loss.reshape(())
-
-
-@contextmanager
-def _muted(module: pl.LightningModule) -> Iterator[None]:
-    """Drop ``self.log`` / ``self.log_dict`` calls (instance attributes shadow the methods)."""
-    setattr(module, "log", _ignore)  # noqa: B010 (assigning to a method)
-    setattr(module, "log_dict", _ignore)  # noqa: B010
-    try:
-        yield
-    finally:
-        del module.log, module.log_dict
-
-
-def _ignore(*args: Any, **kwargs: Any) -> None:
-    return None

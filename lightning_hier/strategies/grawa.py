@@ -22,6 +22,7 @@ from lightning_hier.algorithms.centers import CenterPolicy
 from lightning_hier.algorithms.grawa import DEFAULT_BETA, NORMS, VARIANTS, GradientWeightedCenter, probe_grad_norms
 from lightning_hier.strategies._finite import loss_of
 from lightning_hier.strategies._probe import draw, first, fresh_batches_of, isolated_rng
+from lightning_hier.strategies._user_model import muted_logs
 from lightning_hier.strategies.averaging import AveragingStrategy
 
 if TYPE_CHECKING:
@@ -191,22 +192,15 @@ class GrawaStrategy(AveragingStrategy):
         return loss
 
 
-def _no_log(*args: Any, **kwargs: Any) -> None:
-    return None
-
-
 @contextmanager
 def _side_effect_free(module: pl.LightningModule) -> Iterator[None]:
     """Re-run a LightningModule hook as a side computation: nothing logged, torchmetrics states kept."""
     metrics = [m for m in module.modules() if isinstance(m, Metric)]
     saved = [(m._copy_state_dict(), m._update_count, m._computed, m._forward_cache) for m in metrics]
-    # instance attributes shadow the methods (log_dict calls self.log)
-    object.__setattr__(module, "log", _no_log)
-    object.__setattr__(module, "log_dict", _no_log)
     try:
-        yield
+        with muted_logs(module):
+            yield
     finally:
-        del module.log, module.log_dict
         for metric, (state, count, computed, cache) in zip(metrics, saved, strict=True):
             for name, value in state.items():
                 setattr(metric, name, value)
