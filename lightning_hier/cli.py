@@ -42,6 +42,7 @@ from lightning.pytorch.cli import _JSONARGPARSE_SIGNATURES_AVAILABLE, LightningA
 from typing_extensions import override
 
 import lightning_hier  # noqa: F401  registers the strategy names (also in popen children)
+from lightning_hier import _validate as v
 from lightning_hier.data import ArrayDataModule
 from lightning_hier.models import NETWORKS, Classifier
 
@@ -53,7 +54,9 @@ class NetworkClassifier(Classifier):
         network: ``'mlp'``, ``'small_cnn'``, ``'resnet20'`` or ``'resnet56'``.
         input_shape: Shape of one sample (linked from the datamodule by the CLI).
         num_classes: Number of classes (linked from the datamodule by the CLI).
-        **kwargs: Optimizer and schedule, see :class:`~lightning_hier.models.Classifier`.
+        optimizer, lr, momentum, nesterov, weight_decay, scheduler, warmup_steps, label_smoothing:
+            As in :class:`~lightning_hier.models.Classifier` (written out: LightningCLI reads this
+            signature), with Nesterov momentum and weight decay on by default.
     """
 
     def __init__(
@@ -70,10 +73,7 @@ class NetworkClassifier(Classifier):
         warmup_steps: int = 0,
         label_smoothing: float = 0.0,
     ) -> None:
-        if network not in NETWORKS:
-            raise ValueError(
-                f"NetworkClassifier: argument `network` must be one of {sorted(NETWORKS)}, got {network!r}"
-            )
+        v.check_choice(type(self).__name__, "network", network, sorted(NETWORKS))
         super().__init__(
             NETWORKS[network](input_shape=tuple(input_shape), num_classes=num_classes),
             num_classes,

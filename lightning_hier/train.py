@@ -148,9 +148,9 @@ def build_trainer(cfg: DictConfig, strategy: Any, output_dir: str, **overrides: 
     config sets them itself (``+trainer.logger=false``) or ``overrides`` does.
     """
     kwargs: dict[str, Any] = {"strategy": strategy, "default_root_dir": output_dir}
-    if "logger" not in cfg.trainer:
+    if "logger" not in cfg.trainer and "logger" not in overrides:
         kwargs["logger"] = build_loggers(cfg, output_dir) or False
-    if "callbacks" not in cfg.trainer:
+    if "callbacks" not in cfg.trainer and "callbacks" not in overrides:
         kwargs["callbacks"] = build_callbacks(cfg)
     kwargs.update(overrides)
     return instantiate(cfg.trainer, **kwargs)

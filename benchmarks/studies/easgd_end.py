@@ -49,9 +49,9 @@ def _run(seed: int) -> dict[int, tuple[float, float]]:
                 F.cross_entropy(nets[r](a.x_train[idx]), a.y_train[idx]).backward()
                 opts[r].step()
             step += 1
-            replicas = [[p.detach().clone() for p in n.parameters()] for n in nets]
-            mean = [sum(ts) / W for ts in zip(*replicas, strict=True)]
             if step % TAU == 0:
+                replicas = [[p.detach().clone() for p in n.parameters()] for n in nets]
+                mean = [sum(ts) / W for ts in zip(*replicas, strict=True)]
                 with torch.no_grad():
                     for n in nets:
                         for p, c in zip(n.parameters(), center, strict=True):
