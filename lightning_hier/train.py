@@ -39,7 +39,7 @@ from typing_extensions import override
 
 import lightning_hier  # noqa: F401  registers the strategy names in every process
 from lightning_hier.models import Classifier
-from lightning_hier.models.inputs import check_input, input_spec
+from lightning_hier.models.inputs import check_input, input_spec, unwrap
 from lightning_hier.summary import Summary, write_sweep_table
 
 log = logging.getLogger("lightning_hier.train")  # not "__main__" under python -m
@@ -109,7 +109,7 @@ def build_module(cfg: DictConfig, datamodule: Any) -> Classifier:
     that does not fit its data fails here with a message that names both, before any rank starts.
     """
     factory = instantiate(cfg.model)
-    model_name = _choice(cfg, "model", getattr(factory, "func", factory).__name__)
+    model_name = _choice(cfg, "model", unwrap(factory).__name__)
     data_name = _choice(cfg, "data", str(getattr(datamodule, "name", type(datamodule).__name__)))
     net = check_input(factory, datamodule.input_shape, datamodule.num_classes, model_name, data_name)
     optim: dict[str, Any] = OmegaConf.to_container(cfg.optim, resolve=True)  # type: ignore[assignment]

@@ -47,11 +47,16 @@ NETWORK_INPUTS: dict[Callable[..., nn.Module], InputSpec] = {
 """Input of the reference networks, by factory function."""
 
 
-def input_spec(factory: Callable[..., Any]) -> InputSpec | None:
-    """The :class:`InputSpec` of a network factory (a ``functools.partial`` of one too), if known."""
+def unwrap(factory: Callable[..., Any]) -> Callable[..., Any]:
+    """The function under any ``functools.partial`` layers (what a Hydra ``_partial_`` config gives)."""
     while isinstance(factory, functools.partial):
         factory = factory.func
-    return NETWORK_INPUTS.get(factory)
+    return factory
+
+
+def input_spec(factory: Callable[..., Any]) -> InputSpec | None:
+    """The :class:`InputSpec` of a network factory (a ``functools.partial`` of one too), if known."""
+    return NETWORK_INPUTS.get(unwrap(factory))
 
 
 def check_input(
