@@ -73,12 +73,13 @@ def check_float(
     high_inclusive: bool = True,
 ) -> float:
     """A finite real number (of any real type, not a bool) within the given (half-)open or closed interval."""
-    allowed = "a number" + _bounds(low, high, low_inclusive, high_inclusive)
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or value != value:
+    # "finite" in every message: inf passes open-ended bounds but breaks every computation later
+    allowed = "a finite number" + _bounds(low, high, low_inclusive, high_inclusive)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise _fail(owner, name, value, allowed)
     number = float(value)
-    if not math.isfinite(number):  # inf passes open-ended bounds but breaks every computation later
-        raise _fail(owner, name, value, "a finite number" + _bounds(low, high, low_inclusive, high_inclusive))
+    if not math.isfinite(number):
+        raise _fail(owner, name, value, allowed)
     too_low = low is not None and (number < low or (number == low and not low_inclusive))
     too_high = high is not None and (number > high or (number == high and not high_inclusive))
     if too_low or too_high:
