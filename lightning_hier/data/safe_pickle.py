@@ -14,6 +14,7 @@ import pickle
 from typing import Any
 
 import numpy as np
+from typing_extensions import override
 
 
 class ForbiddenGlobal(pickle.UnpicklingError):
@@ -51,6 +52,7 @@ def _allowed() -> dict[tuple[str, str], Any]:
 class _ArraysOnly(pickle.Unpickler):
     _globals = _allowed()
 
+    @override
     def find_class(self, module: str, name: str) -> Any:
         try:
             return self._globals[(module, name)]
