@@ -136,3 +136,12 @@ def test_the_former_scattered_list_checks_share_the_helper():
     # numpy integers were rejected by each of these before they used check_int_list
     assert SyntheticDataModule(input_shape=[I(3), I(8), I(8)]).shape == (3, 8, 8)
     assert Topology(world_size=I(4), model=I(2)).data == 2
+
+
+def test_straggler_ranks_share_the_int_list_check():
+    from lightning_hier.callbacks import Straggler
+
+    assert Straggler(ranks=I(1)).ranks == [1] and Straggler(ranks=(I(0), 1)).ranks == [0, 1]
+    for bad in (True, -1, [1, True], [], "1", None):
+        with pytest.raises(ValueError, match=r"Straggler: argument `ranks` must be a global rank or a non-empty list"):
+            Straggler(ranks=bad)
