@@ -81,7 +81,7 @@ class DDPCommHookStrategy(FinishOnce, FiniteChecks, DDPStrategy):
         powersgd_rank: ``powersgd`` only: rank of the low-rank gradient factors (default 4).
         warmup_steps: Steps of plain gradient all-reduce before the hook's method starts
             (``post_local_sgd``: default 0; ``powersgd``: at least 2, default 2; ``fp16``: none).
-        bucket_cap_mb: DDP's bucket size in MiB (``None``: DDP's default, 25). For ``powersgd``
+        bucket_cap_mb: DDP's bucket size in MiB, >= 0.001 (``None``: DDP's default, 25). For ``powersgd``
             without NCCL, ``None`` sizes one bucket to hold the whole model, and a smaller value
             fails when the model is wrapped.
         timeout: Seconds (or a ``timedelta``) a collective may wait before the run fails.
