@@ -36,7 +36,7 @@ def check_int_list(
     increasing: bool = False,
     allowed: str | None = None,
 ) -> list[int]:
-    """A non-empty list or tuple of integers (any integral type, not bools), as a list of plain ints.
+    """A non-empty list, tuple or 1-D array of integers (any integral type, not bools), as a list of plain ints.
 
     Args:
         owner: Class or function named in the message.
@@ -48,7 +48,9 @@ def check_int_list(
         increasing: Entries must be strictly increasing.
         allowed: What is allowed, in the message (default: built from the other arguments).
     """
-    entries = list(value) if isinstance(value, Sequence) and not isinstance(value, str | bytes) else None
+    listlike = isinstance(value, Sequence) and not isinstance(value, str | bytes)
+    listlike = listlike or getattr(value, "ndim", None) == 1  # a 1-D numpy array: its items are numpy integers
+    entries = list(value) if listlike else None
     ints = [i for i in (_integer(x, minimum, maximum) for x in entries or []) if i is not None]
     wanted = len(ints) == length if length is not None else bool(ints)
     ok = entries is not None and len(ints) == len(entries) and wanted

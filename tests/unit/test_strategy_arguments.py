@@ -54,7 +54,8 @@ INTEGER_ARGUMENTS = [
         },
     ),
     (DecoupledStrategy, {"stages": I(3), "split": (I(2), I(4))}, {"stages": 3, "split": (2, 4)}),
-    (DecoupledStrategy, {"split": np.array([3]).tolist()}, {"split": (3,)}),
+    (DecoupledStrategy, {"stages": 2, "split": np.array([3])}, {"split": (3,)}),
+    (DBSStrategy, {"initial_sizes": np.array([8, 24], dtype=np.int32)}, {"initial_sizes": [8, 24]}),
     (Grid2DStrategy, {"grid": (I(2), I(2)), "max_model": I(2)}, {"grid": (2, 2), "max_model": 2}),
     (
         DDPCommHookStrategy,
@@ -116,7 +117,11 @@ def test_int_list_messages(kwargs, message):
 
 @pytest.mark.parametrize(
     "value",
-    [None, 3, "12", b"12", [1, True], [1, 2.0], [1, "2"], [1, None], (0, 1), [1, 10], {1: 2}, [np.float64(1.0)]],
+    [
+        *(None, 3, "12", b"12", {1: 2}),
+        *([1, True], [1, 2.0], [1, "2"], [1, None], (0, 1), [1, 10], [np.float64(1.0)]),
+        *(np.array([1.0, 2.0]), np.array([[1, 2]]), np.array(3)),
+    ],
 )
 def test_int_list_rejects_non_lists_bools_floats_and_out_of_range_entries(value):
     with pytest.raises(ValueError, match=r"S: argument `xs` must be"):
