@@ -24,7 +24,7 @@ class BucketArguments(TypedDict):
 
 
 MIN_BUCKET_MB = 0.001
-"""Smallest bucket bound (about 1 KiB): below a byte the bound would round to zero bytes."""
+"""Smallest bucket bound, about 1 KiB: a bound under one byte (2**-20 MiB) rounds to 0 bytes, which no bucket fits."""
 
 
 def check_bucket_options(owner: str, sync_buffers: bool, bucket_size_mb: float) -> tuple[bool, float]:
