@@ -30,7 +30,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from types import TracebackType
 
-PREFIX = "lhb"
+from benchmarks.leftovers import PREFIX, of_dead_runs
+
 SUBNET = "10.213.0"
 RANK_IF = "lhbeth"
 BRIDGE = "lhbbr"
@@ -128,19 +129,6 @@ def list_namespaces(prefix: str = PREFIX) -> list[str]:
     return sorted(n for n in names if n.startswith(f"{prefix}-"))
 
 
-def _owner_alive(namespace: str) -> bool:
-    parts = namespace.split("-")
-    if len(parts) < 3 or not parts[1].isdigit():
-        return False
-    try:
-        os.kill(int(parts[1]), 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def cleanup(stale_only: bool = True, prefix: str = PREFIX) -> list[str]:
     """Delete this harness's namespaces (with them their veths and bridges); return their names.
 
@@ -150,9 +138,8 @@ def cleanup(stale_only: bool = True, prefix: str = PREFIX) -> list[str]:
         prefix: Name prefix of the harness's namespaces.
     """
     removed = []
-    for name in list_namespaces(prefix):
-        if stale_only and _owner_alive(name):
-            continue
+    names = list_namespaces(prefix)
+    for name in of_dead_runs(names, prefix) if stale_only else names:
         try:
             run_cmd("ip", "netns", "delete", name)
             removed.append(name)

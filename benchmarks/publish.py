@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,9 @@ from benchmarks.report import check_target, diagnosis, meta_line, targets_table,
 from benchmarks.scenarios import REPO, SCENARIOS, WORKLOADS
 
 RECIPES = ("hpsgd", "grawa", "dbs", "decoupled", "grid2d")
+# an absolute path inside any text: a slash not preceded by a word, a dot, a colon or a slash (not "MB/s",
+# not "./x", not "https://"), up to the next space, quote, bracket or separator
+_ABSOLUTE_PATH = re.compile(r"(?<![\w.~:/-])/[^\s'\"`,;()\[\]{}<>|]+")
 
 
 def plotting_problem() -> str | None:
@@ -71,8 +75,25 @@ def carry_over(results: dict[str, Any], previous: dict[str, Any]) -> dict[str, A
     return merged
 
 
+def relative_paths(value: Any, root: Path = REPO) -> Any:
+    """``value`` (a results document) with every absolute path in its strings made relative to ``root``.
+
+    Results are committed: the logs folder, a ``--data-root`` or an error message naming a rank's
+    log would otherwise hold the directory layout of the machine that ran the benchmark.
+    """
+    if isinstance(value, dict):
+        return {k: relative_paths(v, root) for k, v in value.items()}
+    if isinstance(value, list):
+        return [relative_paths(v, root) for v in value]
+    if isinstance(value, str):
+        return _ABSOLUTE_PATH.sub(lambda m: os.path.relpath(m.group(0), root), value)
+    return value
+
+
 def write_outputs(results: dict[str, Any], out: Path, update_readme: bool) -> None:
     """``results.json``, ``results.md`` and one PNG per workload in ``out``; optionally the READMEs.
+
+    Paths in them are relative to the repository root (see :func:`relative_paths`).
 
     With ``update_readme`` the workloads of the previous ``results.json`` in ``out`` that this
     invocation did not touch are kept (see :func:`carry_over`).
@@ -80,6 +101,7 @@ def write_outputs(results: dict[str, Any], out: Path, update_readme: bool) -> No
     from benchmarks.plots import plot_workload
 
     out.mkdir(parents=True, exist_ok=True)
+    results = relative_paths(results)  # paths in results.json and the tables: relative to the repository
     previous = out / "results.json"
     if update_readme and previous.is_file():
         results = carry_over(results, json.loads(previous.read_text()))

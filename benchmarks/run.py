@@ -31,13 +31,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from benchmarks import netns, publish
+from benchmarks import leftovers, netns, publish
 from benchmarks.scenarios import REPO, SCENARIOS, WORKLOADS, Plan, Scenario, Workload, available_strategies, plan
 from benchmarks.straggler import (
     DEFAULT_DELAY_CALLBACK,
     MODES,
     Straggler,
     cgroup_flavour,
+    cgroup_parent,
     load_factory,
     remove_stale_cgroups,
 )
@@ -151,6 +152,20 @@ def prepare_data(data: list[str]) -> None:
 
         for split in ("train", "test"):
             read_cifar10_split(root, split)
+
+
+def clear_leftovers() -> None:
+    """Remove what killed runs left, say so, name what could not be removed, and say how to clean up this run.
+
+    The notice goes first to stderr: if this run is killed with SIGKILL, it is the only thing it says.
+    """
+    removed = netns.cleanup(stale_only=True) + remove_stale_cgroups()
+    if removed:
+        print(f"[bench] removed leftovers of killed runs: {', '.join(removed)}", flush=True)
+    left = leftovers.find(netns.list_namespaces(), cgroup_parent())
+    if left:
+        print(leftovers.remaining_message(left), file=sys.stderr, flush=True)
+    print(leftovers.killed_run_notice(str(os.getpid())), file=sys.stderr, flush=True)
 
 
 def _terminate(signum: int, frame: Any) -> None:
@@ -329,8 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     data = data_overrides(args)
     validate(args, the_plan, data)
     prepare_data(data)
-    netns.cleanup(stale_only=True)
-    remove_stale_cgroups()
+    clear_leftovers()
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _terminate)
     results: dict[str, Any] = {"meta": metadata(args), "workloads": {}, "skipped": _skipped(the_plan)}

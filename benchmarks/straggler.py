@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.netns import PREFIX
+from benchmarks.leftovers import stale_cgroups
 
 MODES = ("cgroup", "delay")
 DEFAULT_DELAY_CALLBACK = "lightning_hier.callbacks.straggler:Straggler"
@@ -123,19 +123,22 @@ class CpuQuota:
 
 def remove_stale_cgroups(root: Path = CGROUP_ROOT) -> list[str]:
     """Delete empty cgroups left by killed runs (``lhb-<pid>-...`` whose pid is gone)."""
-    flavour = cgroup_flavour(root)
-    if flavour is None:
-        return []
+    parent = cgroup_parent(root)
     removed = []
-    for path in flavour[1].glob(f"{PREFIX}-*"):
-        pid = path.name.split("-")[1]
-        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
-            try:
-                path.rmdir()
-                removed.append(path.name)
-            except OSError:
-                pass  # still has members: leave it
+    for name in stale_cgroups(parent):
+        assert parent is not None
+        try:
+            (parent / name).rmdir()
+            removed.append(name)
+        except OSError:
+            pass  # still has members: leave it (reported by the runner)
     return removed
+
+
+def cgroup_parent(root: Path = CGROUP_ROOT) -> Path | None:
+    """The folder that holds the harness's cgroups, or ``None`` without a CPU controller."""
+    flavour = cgroup_flavour(root)
+    return flavour[1] if flavour is not None else None
 
 
 def load_factory(spec: str) -> Callable[..., Any]:

@@ -24,6 +24,8 @@ from typing import Literal
 
 import torch.distributed as dist
 
+from lightning_hier import _validate as v
+
 Dim = Literal["data", "pipe", "model"]
 DIMS: tuple[Dim, ...] = ("data", "pipe", "model")
 
@@ -64,9 +66,8 @@ class Topology:
 
     def __post_init__(self) -> None:
         for name in ("world_size", "pipe", "model", "num_nodes"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"Topology: `{name}` must be an integer >= 1, got {value!r}.")
+            # frozen: set through object.__setattr__, as a plain int (numpy integers overflow silently)
+            object.__setattr__(self, name, v.check_int("Topology", name, getattr(self, name), minimum=1))
         inner = self.pipe * self.model
         if self.world_size % inner:
             raise ValueError(

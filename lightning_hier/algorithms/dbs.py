@@ -50,6 +50,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_hier import _validate as v
 from lightning_hier.algorithms.dbs_sampler import Allocation
 from lightning_hier.algorithms.dbs_split import (  # re-exported: the split arithmetic lived here
     ThroughputMeter,
@@ -331,15 +332,9 @@ def check_initial_sizes(
     ``global_batch`` and ``world`` are checked where known (``None``: not yet known).
     """
     hi = max_size if max_size is not None else (global_batch if global_batch is not None else None)
-    allowed = f"integers >= {min_size}" + ("" if hi is None else f" and <= {hi}")
-    values = list(sizes) if isinstance(sizes, Sequence) and not isinstance(sizes, str) else None
-    bad_type = values is None or not values or any(isinstance(b, bool) or not isinstance(b, int) for b in values)
-    if bad_type or any(b < min_size or (hi is not None and b > hi) for b in values or []):
-        raise ValueError(
-            f"{owner}: argument `initial_sizes` must be a non-empty list of per-rank batch sizes, {allowed}, "
-            f"got {sizes!r}."
-        )
-    assert values is not None
+    allowed = f"a non-empty list of per-rank batch sizes, integers >= {min_size}"
+    allowed += "" if hi is None else f" and <= {hi}"
+    values = v.check_int_list(owner, "initial_sizes", sizes, minimum=min_size, maximum=hi, allowed=allowed)
     if world is not None and len(values) != world:
         raise ValueError(
             f"{owner}: argument `initial_sizes` must have one batch size per data-parallel rank ({world}), "

@@ -65,6 +65,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_hier import _validate as v
 from lightning_hier.algorithms.compression import COMPRESSIONS, Bf16ErrorFeedback
 from lightning_hier.algorithms.hpsgd_state import HPSGDCheckpoint
 from lightning_hier.algorithms.outer import OuterNesterov
@@ -146,8 +147,7 @@ class HPSGD(HPSGDCheckpoint):
         optimizer: Optimizer | None = None,
         reset_optimizer_state: bool = False,
     ) -> None:
-        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-            raise ValueError(f"HPSGD: argument `window` must be an integer >= 1, got {window!r}.")
+        window = v.check_int("HPSGD", "window", window, minimum=1)
         for name, value, allowed in (
             ("mode", mode, MODES),
             ("merge", merge, MERGES),

@@ -55,8 +55,9 @@ class Straggler(Callback):
 
     def __init__(self, ranks: int | Sequence[int] = 1, factor: float = 2.0, mode: str = "sleep") -> None:
         owner = type(self).__name__
-        chosen = [ranks] if isinstance(ranks, int) else list(ranks)
-        self.ranks = [v.check_int(owner, "ranks", r, minimum=0) for r in chosen]
+        chosen = [ranks] if v.as_int(ranks) is not None else ranks  # one rank, of any integral type
+        allowed = "a global rank or a non-empty list of them (integers >= 0)"
+        self.ranks = v.check_int_list(owner, "ranks", chosen, minimum=0, allowed=allowed)
         self.factor = v.check_float(owner, "factor", factor, low=1.0, high=100.0)
         self.mode = v.check_choice(owner, "mode", mode, MODES)
         self.clock: Callable[[], float] = time.perf_counter if mode == "sleep" else time.process_time

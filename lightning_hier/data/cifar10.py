@@ -8,6 +8,9 @@ Accepted sources (``root``):
 
 Decoding 60,000 JPEGs takes about 13 s on one core, so each split is decoded once and cached as
 ``uint8`` arrays in ``cache_dir``, keyed by the source's path, size and modification time.
+
+The python batches are pickles: they are read with :func:`lightning_hier.data.safe_pickle.load_arrays`
+(numpy arrays and plain values only), so a crafted batch file is refused before anything in it runs.
 """
 
 from __future__ import annotations
@@ -16,7 +19,6 @@ import hashlib
 import io
 import logging
 import os
-import pickle
 import tarfile
 import tempfile
 from collections.abc import Iterator
@@ -31,6 +33,7 @@ from lightning_hier import _validate as v
 from lightning_hier.data.arrays import Arrays
 from lightning_hier.data.datamodule import ArrayDataModule
 from lightning_hier.data.errors import DatasetCorruptError, DatasetNotFoundError
+from lightning_hier.data.safe_pickle import ForbiddenGlobal, load_arrays
 
 log = logging.getLogger(__name__)
 
@@ -132,9 +135,15 @@ def _stack_batches(batches: Iterator[tuple[str, bytes]] | list[tuple[str, bytes]
     xs, ys = [], []
     for name, blob in batches:
         try:
-            d = pickle.loads(blob, encoding="bytes")
+            d = load_arrays(blob)  # never pickle.loads: a crafted batch file would run code
             x = np.asarray(d[b"data"], dtype=np.uint8).reshape(-1, 3, 32, 32)
             y = np.asarray(d[b"labels"], dtype=np.int64)
+        except ForbiddenGlobal as err:
+            raise DatasetCorruptError(
+                f"CIFAR-10: refusing to load batch file {name}: it names {err}, which a CIFAR-10 batch never holds "
+                "(only numpy arrays and plain values are read: dict, list, str, bytes, int, float); nothing in it "
+                "was run. Replace it with the original cifar-10-batches-py files."
+            ) from None
         except Exception as err:
             raise DatasetCorruptError(f"CIFAR-10: batch file {name} is corrupt ({err!r}).") from err
         if len(x) != len(y):

@@ -78,10 +78,5 @@ class SyntheticDataModule(ArrayDataModule):
 
 def _check_shape(owner: str, shape: object) -> tuple[int, ...]:
     """A non-empty sequence of positive integers, as a tuple."""
-    values = list(shape) if isinstance(shape, Sequence) and not isinstance(shape, str) else None
-    if not values or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in values):
-        raise ValueError(
-            f"{owner}: argument `input_shape` must be a non-empty list of positive integers, e.g. [32] or "
-            f"[3, 32, 32], got {shape!r}."
-        )
-    return tuple(values)
+    allowed = "a non-empty list of positive integers, e.g. [32] or [3, 32, 32]"
+    return tuple(v.check_int_list(owner, "input_shape", shape, minimum=1, allowed=allowed))

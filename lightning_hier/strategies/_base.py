@@ -406,10 +406,13 @@ class HierStrategy(FinishOnce, FiniteChecks, CheckpointingStrategy):
         register_family(registry, cls, name, doc, **init_params)
 
 
+MIN_TIMEOUT_S = 0.001  # gloo counts milliseconds: a shorter timeout would round to 0 (no bound at all)
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+
+
 def _check_timeout(owner: str, name: str, value: float | timedelta) -> timedelta:
     seconds = value.total_seconds() if isinstance(value, timedelta) else value
-    v.check_float(owner, name, seconds, low=0.0, high=7 * 24 * 3600.0, low_inclusive=False)
-    return timedelta(seconds=float(seconds))
+    return timedelta(seconds=v.check_float(owner, name, seconds, low=MIN_TIMEOUT_S, high=MAX_TIMEOUT_S))
 
 
 def _first_line(exc: BaseException) -> str:

@@ -23,12 +23,18 @@ class BucketArguments(TypedDict):
     bucket_bytes: int
 
 
+MIN_BUCKET_MB = 0.001
+"""Smallest bucket bound, about 1 KiB: a bound under one byte (2**-20 MiB) rounds to 0 bytes, which no bucket fits."""
+
+
 def check_bucket_options(owner: str, sync_buffers: bool, bucket_size_mb: float) -> tuple[bool, float]:
     """Validated ``(sync_buffers, bucket_size_mb)``; a clear error naming ``owner`` otherwise."""
-    return (
-        v.check_bool(owner, "sync_buffers", sync_buffers),
-        v.check_float(owner, "bucket_size_mb", bucket_size_mb, low=0.0, low_inclusive=False),
-    )
+    return v.check_bool(owner, "sync_buffers", sync_buffers), check_bucket_mb(owner, "bucket_size_mb", bucket_size_mb)
+
+
+def check_bucket_mb(owner: str, name: str, value: float) -> float:
+    """A bucket size bound in MiB: finite and at least :data:`MIN_BUCKET_MB`."""
+    return v.check_float(owner, name, value, low=MIN_BUCKET_MB)
 
 
 def bucket_arguments(module: nn.Module, sync_buffers: bool, bucket_size_mb: float) -> BucketArguments:

@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from itertools import pairwise
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -199,12 +198,19 @@ def check_split_argument(owner: str, split: Sequence[int] | None, stages: int) -
     if split is None:
         return None
     allowed = f"None or {stages - 1} strictly increasing positive block indices (one per stage after the first)"
-    points = list(split) if isinstance(split, list | tuple) else None
-    if points is None or len(points) != stages - 1 or not all(isinstance(p, int) and p > 0 for p in points):
-        raise ValueError(f"{owner}: argument `split` must be {allowed}, got {split!r}.")
-    if any(b <= a for a, b in pairwise(points)):
-        raise ValueError(f"{owner}: argument `split` must be {allowed}, got {split!r}.")
+    points = v.check_int_list(owner, "split", split, minimum=1, length=stages - 1, increasing=True, allowed=allowed)
     return tuple(points)
+
+
+def check_module_attr_argument(owner: str, module_attr: Any) -> str | None:
+    """Validate ``module_attr``: ``None`` or a dotted attribute path such as ``model`` or ``net.body``."""
+    parts = module_attr.split(".") if isinstance(module_attr, str) else []
+    if module_attr is not None and not (parts and all(p.isidentifier() or p.isdigit() for p in parts)):
+        raise ValueError(
+            f"{owner}: argument `module_attr` must be None (find the blocks) or an attribute path such as 'model' "
+            f"or 'net.body', got {module_attr!r}."
+        )
+    return module_attr
 
 
 def check_optimizer_params(optimizer: Optimizer, stage: nn.Module) -> None:

@@ -50,11 +50,22 @@ class AveragingStrategy(AlgorithmStrategy[PeriodicAveraging]):
     pull: PullToCenter | None = None
 
     def _configure(
-        self, tau: int, lam: float | None, rho: float, sync_buffers: bool, bucket_size_mb: float, lam_name: str = "lam"
+        self,
+        tau: int,
+        lam: float | None,
+        rho: float,
+        sync_buffers: bool,
+        bucket_size_mb: float,
+        lam_name: str = "lam",
+        lam_may_be_none: bool = False,
     ) -> None:
+        """Validate and keep the shared arguments; ``lam`` may be ``None`` only where documented (EASGD's alpha)."""
         owner = type(self).__name__
         self.tau = v.check_int(owner, "tau", tau, minimum=1)
-        self.lam = None if lam is None else v.check_float(owner, lam_name, lam, 0.0, 1.0, low_inclusive=False)
+        if lam is None and lam_may_be_none:
+            self.lam = None
+        else:  # an undocumented None would fall back to the policy's default silently
+            self.lam = v.check_float(owner, lam_name, lam, 0.0, 1.0, low_inclusive=False)
         self.rho = v.check_float(owner, "rho", rho, 0.0, 1.0)
         self.sync_buffers, self.bucket_size_mb = check_bucket_options(owner, sync_buffers, bucket_size_mb)
         self._step_args: tuple[tuple[Any, ...], dict[str, Any]] | None = None
@@ -140,7 +151,7 @@ def _pull_callback(trainer: pl.Trainer) -> PullToCenter:
 
 
 _COMMON_ARGS = """        sync_buffers: Average floating-point buffers (BatchNorm statistics) uniformly at every round.
-        bucket_size_mb: Size bound of the flat buffers reduced in one call (MiB).
+        bucket_size_mb: Size bound of the flat buffers reduced in one call (MiB, >= 0.001).
         **kwargs: See :class:`~lightning_hier.strategies._base.HierStrategy` (``timeout``,
             ``start_method``, ...)."""
 
@@ -207,7 +218,7 @@ class EasgdStrategy(AveragingStrategy):
     ) -> None:
         super().__init__(**kwargs)
         self.beta = v.check_float(type(self).__name__, "beta", beta, 0.0, 1.0, low_inclusive=False)
-        self._configure(tau, alpha, rho, sync_buffers, bucket_size_mb, lam_name="alpha")
+        self._configure(tau, alpha, rho, sync_buffers, bucket_size_mb, lam_name="alpha", lam_may_be_none=True)
 
     @override
     def _policy(self) -> CenterPolicy:

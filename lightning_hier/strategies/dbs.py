@@ -98,7 +98,7 @@ class DBSStrategy(HierStrategy):
             training only, e.g. with :class:`~lightning_hier.callbacks.Straggler` in ``'spin'`` mode).
         sync_buffers: Average floating-point buffers (BatchNorm statistics) with the same weights
             at every step, so every rank holds the same model.
-        bucket_size_mb: Size bound of the flat gradient buffers reduced in one call (MiB).
+        bucket_size_mb: Size bound of the flat gradient buffers reduced in one call (MiB, >= 0.001).
         **kwargs: See :class:`~lightning_hier.strategies._base.HierStrategy` (``timeout``,
             ``start_method``, ...).
 

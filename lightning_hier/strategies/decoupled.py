@@ -148,18 +148,13 @@ class DecoupledStrategy(HierStrategy):
         self.stages: int | str = pm.check_stages_argument(owner, stages)
         # K: known now when given (or implied by `split`), else chosen per rank once the model is known
         self._num_stages: int | None = self.stages if isinstance(self.stages, int) else None
-        if self._num_stages is None and isinstance(split, list | tuple):
+        if self._num_stages is None and isinstance(split, Sequence) and not isinstance(split, str):
             self._num_stages = len(split) + 1
         self.split = pm.check_split_argument(owner, split, self._num_stages or 1)
         self.schedule = v.check_choice(owner, "schedule", schedule, SCHEDULES)
         self.weights = v.check_choice(owner, "weights", weights, WEIGHTS)
         self.beta = v.check_float(owner, "beta", beta, low=0.0, high=1.0, low_inclusive=False)
-        if module_attr is not None and (not isinstance(module_attr, str) or not module_attr):
-            raise ValueError(
-                f"{owner}: argument `module_attr` must be None (find the blocks) or a non-empty attribute path, got "
-                f"{module_attr!r}."
-            )
-        self.module_attr = module_attr
+        self.module_attr = pm.check_module_attr_argument(owner, module_attr)
         self._found_attr: str | None = None
         self._loss: TrainingStepLoss | None = None
         self.pipeline: DecoupledPipeline | None = None

@@ -76,7 +76,7 @@ class GrawaStrategy(AveragingStrategy):
             i.i.d. shards all three agree within 0.005 on both.
         probe_seed: Base seed of the fresh probe batches (``probe='fresh'``), >= 0.
         sync_buffers: Average floating-point buffers (BatchNorm statistics) uniformly at every round.
-        bucket_size_mb: Size bound of the flat buffers reduced in one call (MiB).
+        bucket_size_mb: Size bound of the flat buffers reduced in one call (MiB, >= 0.001).
         **kwargs: See :class:`~lightning_hier.strategies._base.HierStrategy`.
 
     The consensus model (validation during fit, checkpoints' ``state_dict``) is the center: the

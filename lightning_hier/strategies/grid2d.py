@@ -84,7 +84,7 @@ class Grid2DStrategy(HierStrategy):
         alpha: Seconds per message for ``'auto'``; ``None`` measures it on the live groups (then
             the choice may differ between runs: give both for a reproducible layout).
         beta: Seconds per word for ``'auto'``; ``None`` measures it.
-        max_model: Largest Pr ``'auto'`` may choose (``None``: any).
+        max_model: Largest Pr ``'auto'`` may choose (``None``: any); with a given ``grid`` it may not be below its Pr.
         **kwargs: See :class:`~lightning_hier.strategies._base.HierStrategy` (``timeout``,
             ``start_method``, ...).
 
@@ -121,6 +121,11 @@ class Grid2DStrategy(HierStrategy):
                 f"{owner}: give both `alpha` and `beta`, or neither (measure), got {alpha!r} and {beta!r}."
             )
         self.max_model = None if max_model is None else v.check_int(owner, "max_model", max_model, minimum=1)
+        if self._grid is not None and self.max_model is not None and self._grid[0] > self.max_model:
+            raise ValueError(
+                f"{owner}: argument `max_model`={self.max_model} is below Pr={self._grid[0]} of grid={grid!r}; "
+                "max_model bounds what grid='auto' may choose: leave it None with a given grid, or give grid='auto'."
+            )
         self.grid_stats = GridCommStats()
         self.comm_stats = self.grid_stats
         self.grid_context: GridContext | None = None
@@ -373,12 +378,11 @@ class _GridLauncher(_ReportingLauncher):
 
 
 def _check_grid(owner: str, grid: Any) -> tuple[int, int] | None:
-    if grid == "auto":
+    if isinstance(grid, str) and grid == "auto":
         return None
-    ok = isinstance(grid, Sequence) and not isinstance(grid, str) and len(grid) == 2
-    if not ok or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in grid):
-        raise ValueError(f"{owner}: argument `grid` must be 'auto' or a pair (Pr, Pc) of integers >= 1, got {grid!r}.")
-    return (int(grid[0]), int(grid[1]))
+    allowed = "'auto' or a pair (Pr, Pc) of integers >= 1"
+    pr, pc = v.check_int_list(owner, "grid", grid, minimum=1, length=2, allowed=allowed)
+    return (pr, pc)
 
 
 def _lookup(module: Any, name: str) -> Any:

@@ -59,7 +59,7 @@ class HPSGDStrategy(AlgorithmStrategy[HPSGD]):
             each rank evaluates ``S`` with its own buffers.
         reset_optimizer_state: Clear the inner optimizer's state (momentum, Adam moments) at every
             merge; by default it carries over.
-        bucket_size_mb: Size bound of one flat buffer (MiB): the parameters are views of a few
+        bucket_size_mb: Size bound of one flat buffer (MiB, >= 0.001): the parameters are views of a few
             buckets, so a very large model is reduced in a few calls, not one per tensor.
         **kwargs: See :class:`~lightning_hier.strategies._base.HierStrategy` (``timeout``,
             ``start_method``, ...).

@@ -49,6 +49,7 @@ from lightning_hier import _validate as v
 from lightning_hier.comm import all_reduce_mean_
 from lightning_hier.strategies import _finish
 from lightning_hier.strategies._base import BACKENDS, DEFAULT_TIMEOUT_S, _check_timeout
+from lightning_hier.strategies._buckets import check_bucket_mb
 from lightning_hier.strategies._finish import FinishOnce
 from lightning_hier.strategies._finite import FiniteChecks
 from lightning_hier.strategies._registry import register_family
@@ -80,7 +81,7 @@ class DDPCommHookStrategy(FinishOnce, FiniteChecks, DDPStrategy):
         powersgd_rank: ``powersgd`` only: rank of the low-rank gradient factors (default 4).
         warmup_steps: Steps of plain gradient all-reduce before the hook's method starts
             (``post_local_sgd``: default 0; ``powersgd``: at least 2, default 2; ``fp16``: none).
-        bucket_cap_mb: DDP's bucket size in MiB (``None``: DDP's default, 25). For ``powersgd``
+        bucket_cap_mb: DDP's bucket size in MiB, >= 0.001 (``None``: DDP's default, 25). For ``powersgd``
             without NCCL, ``None`` sizes one bucket to hold the whole model, and a smaller value
             fails when the model is wrapped.
         timeout: Seconds (or a ``timedelta``) a collective may wait before the run fails.
@@ -121,16 +122,14 @@ class DDPCommHookStrategy(FinishOnce, FiniteChecks, DDPStrategy):
         )
         self.powersgd_rank = _only_for(owner, hook, "powersgd", "powersgd_rank", powersgd_rank, DEFAULT_POWERSGD_RANK)
         self.warmup_steps = _check_warmup(owner, hook, warmup_steps)
-        if bucket_cap_mb is not None:
-            v.check_float(owner, "bucket_cap_mb", bucket_cap_mb, low=0.0, low_inclusive=False)
-        self.bucket_cap_mb = bucket_cap_mb
+        self.bucket_cap_mb = None if bucket_cap_mb is None else check_bucket_mb(owner, "bucket_cap_mb", bucket_cap_mb)
         for name in _SET_BY_HOOK:
             if name in kwargs:
                 raise ValueError(f"{owner}: argument `{name}` is set by `hook`; pass the hook's own arguments instead.")
         v.check_choice(owner, "start_method", start_method, START_METHODS)
         v.check_choice(owner, "process_group_backend", process_group_backend, BACKENDS)
-        if bucket_cap_mb is not None:
-            kwargs["bucket_cap_mb"] = bucket_cap_mb
+        if self.bucket_cap_mb is not None:
+            kwargs["bucket_cap_mb"] = self.bucket_cap_mb
         super().__init__(
             ddp_comm_hook=_HOOK_FUNCTIONS[hook],
             model_averaging_period=self.model_averaging_period,
@@ -228,7 +227,7 @@ def _only_for(owner: str, hook: str, user: str, name: str, value: int | None, de
 
 def _check_warmup(owner: str, hook: str, value: int | None) -> int:
     if hook not in MIN_WARMUP:
-        if value not in (None, 0):
+        if value is not None and v.as_int(value) != 0:  # not `value in (None, 0)`: False == 0
             raise ValueError(f"{owner}: argument `warmup_steps` must be None or 0 for hook {hook!r}, got {value!r}.")
         return 0
     least = MIN_WARMUP[hook]

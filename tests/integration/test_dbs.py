@@ -244,7 +244,7 @@ def test_resume_restores_the_split_and_estimates_and_continues_bit_identically(t
         ({"global_batch_size": 0}, r"DBSStrategy: argument `global_batch_size` must be an integer >= 1, got 0"),
         ({"global_batch_size": 64.0}, "`global_batch_size` must be an integer"),
         ({"rebalance_every": 0}, "`rebalance_every` must be an integer >= 1, got 0"),
-        ({"ema": 1.0}, r"`ema` must be a number in \[0.0, 1.0\), got 1.0"),
+        ({"ema": 1.0}, r"`ema` must be a finite number in \[0.0, 1.0\), got 1.0"),
         ({"ema": -0.1}, "`ema`"),
         ({"min_batch_size": 0}, "`min_batch_size` must be an integer >= 1, got 0"),
         ({"min_batch_size": 8, "max_batch_size": 4}, "`max_batch_size` must be an integer >= 8, got 4"),
@@ -345,7 +345,7 @@ def test_dbs_callback_and_straggler_reject_misuse():
         DBSCallback().on_train_batch_end(t, None, None, None, 0)
     with pytest.raises(ValueError, match="`ranks` must be global ranks below the world size 2, got \\[2\\]"):
         Straggler(ranks=2).setup(t, None, "fit")
-    with pytest.raises(ValueError, match=r"Straggler: argument `factor` must be a number in \[1.0, 100.0\]"):
+    with pytest.raises(ValueError, match=r"Straggler: argument `factor` must be a finite number in \[1.0, 100.0\]"):
         Straggler(factor=0.5)
 
 

@@ -211,9 +211,9 @@ def test_fork_launcher_returns_the_whole_trained_model_and_validation_is_consist
         ({"split": [0]}, "`split` must be"),
         ({"schedule": "gpipe"}, r"`schedule` must be one of 'fdg', 'ddg', 'sync', got 'gpipe'"),
         ({"weights": "latest"}, r"`weights` must be one of 'stash', 'recompute', 'legacy'"),
-        ({"beta": 0.0}, r"`beta` must be a number in \(0.0, 1.0\], got 0.0"),
+        ({"beta": 0.0}, r"`beta` must be a finite number in \(0.0, 1.0\], got 0.0"),
         ({"beta": 1.5}, "`beta` must be"),
-        ({"module_attr": ""}, r"`module_attr` must be None \(find the blocks\) or a non-empty attribute path"),
+        ({"module_attr": ""}, r"`module_attr` must be None \(find the blocks\) or an attribute path"),
     ],
 )
 def test_bad_arguments_fail_at_construction(kwargs, match):

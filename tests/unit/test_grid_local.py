@@ -113,7 +113,7 @@ def test_grid_context_checks_its_coordinates():
         ({"grid": "big"}, "`grid` must be 'auto' or a pair"),
         ({"grid": (2, 2, 1)}, "got \\(2, 2, 1\\)"),
         ({"alpha": 1e-6}, "give both `alpha` and `beta`"),
-        ({"alpha": -1.0, "beta": 1.0}, "`alpha` must be a number >= 0.0"),
+        ({"alpha": -1.0, "beta": 1.0}, "`alpha` must be a finite number >= 0.0"),
         ({"max_model": 0}, "`max_model` must be an integer >= 1"),
     ],
 )

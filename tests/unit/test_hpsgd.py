@@ -245,11 +245,11 @@ def test_loading_a_state_of_another_model_or_buffer_policy_is_rejected():
         ({"merge": "late"}, "argument `merge` must be one of 'eager', 'paper', got 'late'"),
         ({"compression": "int8"}, "argument `compression` must be one of 'none', 'bf16', got 'int8'"),
         ({"outer_lr": float("inf")}, r"argument `outer_lr` must be a finite number > 0.0, got inf"),
-        ({"outer_momentum": 1.0}, r"argument `outer_momentum` must be a number in \[0.0, 1.0\), got 1.0"),
+        ({"outer_momentum": 1.0}, r"argument `outer_momentum` must be a finite number in \[0.0, 1.0\), got 1.0"),
         ({"sync_buffers": "yes"}, "argument `sync_buffers` must be True or False, got 'yes'"),
         ({"reset_optimizer_state": 1}, "argument `reset_optimizer_state` must be True or False, got 1"),
-        ({"bucket_size_mb": 0}, r"argument `bucket_size_mb` must be a number > 0.0, got 0"),
-        ({"timeout": -1}, "argument `timeout` must be a number in"),
+        ({"bucket_size_mb": 0}, r"argument `bucket_size_mb` must be a finite number >= 0.001, got 0"),
+        ({"timeout": -1}, "argument `timeout` must be a finite number in"),
     ],
 )
 def test_bad_arguments_fail_at_construction_naming_argument_and_value(kwargs, message):

@@ -12,7 +12,7 @@ from lightning_hier.rng import capture_rng, restore_rng
 def test_messages_name_owner_argument_value_and_allowed_range():
     with pytest.raises(ValueError, match=r"S: argument `tau` must be an integer >= 1, got 0\."):
         v.check_int("S", "tau", 0, minimum=1)
-    with pytest.raises(ValueError, match=r"argument `lam` must be a number in \(0.0, 1.0\], got 1.5"):
+    with pytest.raises(ValueError, match=r"argument `lam` must be a finite number in \(0.0, 1.0\], got 1.5"):
         v.check_float("S", "lam", 1.5, 0.0, 1.0, low_inclusive=False)
     with pytest.raises(ValueError, match=r"one of 'a', 'b'"):
         v.check_choice("S", "mode", "c", ("a", "b"))
@@ -20,7 +20,7 @@ def test_messages_name_owner_argument_value_and_allowed_range():
         v.check_bool("S", "flag", 1)
     with pytest.raises(ValueError, match="an integer"):
         v.check_int("S", "n", True)
-    with pytest.raises(ValueError, match="a number"):
+    with pytest.raises(ValueError, match="a finite number"):
         v.check_float("S", "x", float("nan"))
 
 
