@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from typing import TYPE_CHECKING, Any, ClassVar
 
+import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.optimizer import _optimizer_to_device
 from lightning.pytorch.strategies import ParallelStrategy
@@ -23,6 +24,7 @@ from typing_extensions import override
 from lightning_hier.comm import CommStats, gather_objects
 from lightning_hier.rng import capture_rng
 from lightning_hier.strategies import _checkpoint as ckpt
+from lightning_hier.strategies._checkpoint_file import atomic_save, read_checkpoint
 
 if TYPE_CHECKING:
     from lightning.fabric.utilities.types import _PATH
@@ -74,18 +76,24 @@ class CheckpointingStrategy(ParallelStrategy):
         rank 0 only (``if trainer.is_global_zero: trainer.save_checkpoint(...)``) deadlocks.
         """
         filepath = self.broadcast(filepath)
-        if "optimizer_states" in checkpoint:  # a full checkpoint, not weights_only
+        full = "optimizer_states" in checkpoint  # not weights_only
+        states: list[tuple[dict[str, Any], str]] | None = None
+        if full:
             with self._replicas_in_place():
-                states = gather_objects(self._rank_state(checkpoint), dst=0, group=dist.group.WORLD)
-            if self.is_global_zero:
-                assert states is not None
-                checkpoint[ckpt.STATE_KEY] = ckpt.strategy_section(
-                    self.strategy_name or type(self).__name__, self.topology.describe(), states
-                )
+                state = self._rank_state(checkpoint)
+                # each rank checksums its own state: what rank 0 writes is checked against what the rank had
+                states = gather_objects((state, ckpt.state_digest(state)), dst=0, group=dist.group.WORLD)
         if not self.is_global_zero:
             return
+        checkpoint[ckpt.STATE_KEY] = ckpt.strategy_section(
+            self.strategy_name or type(self).__name__,
+            self.topology.describe(),
+            checkpoint.get("state_dict", {}),
+            [s for s, _ in states] if states is not None else None,
+            [d for _, d in states] if states is not None else None,
+        )
         if storage_options is None and "://" not in str(filepath):
-            ckpt.atomic_save(checkpoint, filepath)
+            atomic_save(checkpoint, filepath)
         else:
             self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
@@ -118,18 +126,30 @@ class CheckpointingStrategy(ParallelStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
+        path = str(checkpoint_path)
+        load = super().load_checkpoint
+        checkpoint = read_checkpoint(path, lambda: load(path, weights_only))
         module = self.lightning_module
         fitting = module is not None and module._trainer is not None and module.trainer.state.fn == TrainerFn.FITTING
-        if fitting:
-            self._restored = ckpt.select_rank_state(
-                checkpoint,
-                str(checkpoint_path),
-                self.strategy_name or type(self).__name__,
-                self.topology.describe(),
-                self.global_rank,
-            )
+        if not fitting:  # validate / test / predict: the consensus state_dict is what is used
+            ckpt.check_state_dict(checkpoint, path)
+            return checkpoint
+        name = self.strategy_name or type(self).__name__
+        restored = ckpt.select_rank_state(checkpoint, path, name, self.topology.describe(), self.global_rank)
+        damaged = self._agree_on_damaged(ckpt.rank_state_damaged(checkpoint, self.global_rank))
+        if damaged:  # every rank raises the same error, so none waits for a damaged peer
+            raise ckpt.damaged_ranks_error(path, name, damaged)
+        self._restored = restored
         return checkpoint
+
+    def _agree_on_damaged(self, mine: bool) -> list[int]:
+        """The ranks whose saved state failed its checksum (each checks its own; one small all-reduce)."""
+        if not dist.is_initialized():
+            return [self.global_rank] if mine else []
+        flags = torch.zeros(self.world_size, device=self.root_device)
+        flags[self.global_rank] = float(mine)
+        dist.all_reduce(flags, group=dist.group.WORLD)
+        return [rank for rank, flag in enumerate(flags.tolist()) if flag]
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
