@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
+from math import inf
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -29,6 +30,7 @@ from lightning_hier.strategies._checkpoint_file import atomic_save, read_checkpo
 if TYPE_CHECKING:
     from lightning.fabric.utilities.types import _PATH
 
+    from lightning_hier.strategies._data_position import DataPosition
     from lightning_hier.topology import Topology
 
 
@@ -43,6 +45,7 @@ class CheckpointingStrategy(ParallelStrategy):
     """Registry name; also written into checkpoints, which are refused by another strategy."""
 
     comm_stats: CommStats
+    data_position: DataPosition
     _restored: dict[str, Any] | None = None  # this rank's saved state, between load and on_train_start
     _eval_stack: ExitStack | None = None  # the consensus entered for validation
 
@@ -122,7 +125,12 @@ class CheckpointingStrategy(ParallelStrategy):
             "rng": capture_rng(),
             "algorithm": ckpt.detach_state(self._algorithm_state()),
             "comm": self.comm_stats.state_dict(),
+            "data": self.data_position.state_dict(self._batches_per_epoch()),
         }
+
+    def _batches_per_epoch(self) -> float:
+        module = self.lightning_module
+        return module.trainer.num_training_batches if module is not None and module._trainer is not None else inf
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
