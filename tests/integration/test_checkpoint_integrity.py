@@ -11,8 +11,8 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lightning_hier import LocalSGDStrategy
-from lightning_hier.strategies._checkpoint import STATE_KEY, CheckpointError
+from lightning_hier import CheckpointError, LocalSGDStrategy
+from lightning_hier.strategies._checkpoint import STATE_KEY
 from lightning_hier.testing import WorkerFailed, run_workers
 from tests.helpers import digits, digits_classifier, trainer
 
