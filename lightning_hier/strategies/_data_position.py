@@ -41,7 +41,8 @@ class DataPosition:
         self.epoch: int | None = None  # epoch of the last training batch started (None: none yet)
         self.batches = 0  # batches of that epoch trained, counting the last one started
         self.sampler: ResumePoint | None = None  # the training sampler this position drives
-        self._pending: tuple[int, int] | None = None  # restored, not yet handed to a sampler
+        self._restored: tuple[int, int] | None = None  # the checkpoint's position
+        self._pending = False  # restored, not yet handed to a sampler (once: a reloaded loader starts anew)
 
     def install(self, loader: object) -> None:
         """Find (or wrap) the resumable sampler of the training ``loader``; hand it a restored position."""
@@ -55,14 +56,15 @@ class DataPosition:
     def state_dict(self, batches_per_epoch: float) -> dict[str, int] | None:
         """The position to resume at: ``{"epoch", "batches"}`` (the next epoch once this one is done)."""
         if self.epoch is None:  # nothing trained in this run yet: still the restored position, if any
-            return None if self._pending is None else {"epoch": self._pending[0], "batches": self._pending[1]}
+            return None if self._restored is None else {"epoch": self._restored[0], "batches": self._restored[1]}
         if self.batches >= batches_per_epoch:
             return {"epoch": self.epoch + 1, "batches": 0}
         return {"epoch": self.epoch, "batches": self.batches}
 
     def restore(self, state: dict[str, int] | None) -> None:
         """Resume at a saved position (``None``: a checkpoint without one; Lightning's behaviour)."""
-        self._pending = None if state is None else (int(state["epoch"]), int(state["batches"]))
+        self._restored = None if state is None else (int(state["epoch"]), int(state["batches"]))
+        self._pending = self._restored is not None
         self._hand_over()
 
     def epoch_started(self, epoch: int) -> None:
@@ -72,8 +74,9 @@ class DataPosition:
 
     def _hand_over(self) -> None:
         # the loader may be built before or after the checkpoint's state is applied: whichever is last
-        if self.sampler is not None and self._pending is not None:
-            self.sampler.resume_at(*self._pending)
+        if self.sampler is not None and self._pending and self._restored is not None:
+            self.sampler.resume_at(*self._restored)
+            self._pending = False
 
 
 def resumable_sampler(loader: object) -> ResumePoint | None:

@@ -62,6 +62,16 @@ def test_a_position_restored_before_the_loader_exists_is_handed_over_when_it_is_
     assert _epoch(loader) == _epoch(reference, 1)[3:]
 
 
+def test_a_position_is_handed_over_once_not_again_to_a_reloaded_loader():
+    position = DataPosition()
+    position.restore({"epoch": 1, "batches": 3})
+    position.install(_loader())
+    reloaded, reference = _loader(), _loader()  # reload_dataloaders_every_n_epochs builds a new one
+    position.install(reloaded)
+    assert _epoch(reloaded, 2) == _epoch(reference, 2)
+    assert position.state_dict(11) == {"epoch": 1, "batches": 3}  # nothing trained since the restore
+
+
 def test_an_epoch_start_overrides_a_wrong_set_epoch():
     loader, reference = _loader(), _loader()
     position = DataPosition()
