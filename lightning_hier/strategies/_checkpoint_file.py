@@ -75,7 +75,7 @@ def remove_stale_temporaries(directory: str | Path) -> list[Path]:
         if pid != me and not _alive(pid):
             try:
                 entry.unlink()
-            except FileNotFoundError:  # another rank or run cleaned it first
+            except OSError:  # removed by another run first, or not ours to remove: never fail a save for it
                 continue
             removed.append(entry)
     return removed

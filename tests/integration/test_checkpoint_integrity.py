@@ -109,3 +109,15 @@ def test_validating_from_a_damaged_checkpoint_fails_on_its_state_dict(saved, tmp
 
     with pytest.raises(WorkerFailed, match=r"Cannot load the model from .*consensus\.ckpt: its 'state_dict' does not"):
         run_workers(validate, devices=2)
+
+
+def test_a_checkpoint_of_the_previous_format_without_checksums_still_resumes(saved, tmp_path):
+    checkpoint = torch.load(saved, weights_only=True)
+    section = checkpoint[STATE_KEY]
+    section["format"] = 1
+    del section["checksums"]
+    for rank in section["ranks"]:
+        del rank["data"]  # format 1 had no data position either
+    legacy = tmp_path / "format1.ckpt"
+    torch.save(checkpoint, legacy)
+    assert _resume(legacy, tmp_path) == ["ok", "ok"]
