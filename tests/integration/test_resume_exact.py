@@ -37,6 +37,8 @@ FAMILIES: dict[str, tuple[Callable[[], Any], int]] = {  # strategy, devices
     "grawa": (lambda: GrawaStrategy(variant="layer", tau=5, rho=0.1, probe="batch", timeout=30), 2),
     "hpsgd": (lambda: HPSGDStrategy(window=4, timeout=30), 2),  # step 16 ends a window: one in flight
     "grid2d": (lambda: Grid2DStrategy(grid=(2, 2), timeout=30), 4),
+    # one replica of 2 stages (22 steps per epoch); 'sync' has no batch in flight between steps
+    "decoupled-sync": (lambda: DecoupledStrategy(stages=2, schedule="sync", timeout=30), 2),
 }
 
 
@@ -112,7 +114,8 @@ def _fit_decoupled(ckpt_dir: str, resume: str | None) -> dict:
 
 
 def test_decoupled_resumes_bit_identically_from_an_epoch_end_with_max_steps(tmp_path):
-    # one replica of 2 stages: 22 steps per epoch. Mid-epoch checkpoints hold no batches in flight
-    # (the pipeline's autograd state cannot be saved): only epoch ends, where it is drained, are exact
+    # one replica of 2 stages: 22 steps per epoch. With 'fdg' (the default) or 'ddg', mid-epoch
+    # checkpoints hold no batches in flight (the pipeline's autograd state cannot be saved): only
+    # epoch ends, where the pipeline is drained, are exact
     full, resumed = _full_and_resumed(_fit_decoupled, tmp_path, 22)
     assert_resumed_run_matches(full, resumed, after_step=22)
