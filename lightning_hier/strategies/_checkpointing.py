@@ -2,10 +2,12 @@
 
 :class:`CheckpointingStrategy` is the layer of :class:`~lightning_hier.strategies._base.HierStrategy`
 that talks to Lightning's checkpoint hooks. ``trainer.save_checkpoint`` gathers every rank's
-model, optimizer, RNG and algorithm state to rank 0, which writes one file atomically; the
-checkpoint's ``state_dict`` is the *consensus* model (what validation sees). On resume each rank
-takes its own state back, checked against this run's strategy and layout (the format lives in
-:mod:`lightning_hier.strategies._checkpoint`).
+model, optimizer, RNG, algorithm state and data position, with the rank's checksum of it, to rank
+0, which writes one file atomically; the checkpoint's ``state_dict`` is the *consensus* model
+(what validation sees). On resume each rank takes its own state back, checked against this run's
+strategy, layout and world size and against its checksum; the ranks agree on the damaged states
+before any raises (the format lives in :mod:`lightning_hier.strategies._checkpoint`, the file
+handling in :mod:`lightning_hier.strategies._checkpoint_file`).
 """
 
 from __future__ import annotations
