@@ -39,6 +39,7 @@ _LIGHTNING_ERROR = _import_lightning()
 if TYPE_CHECKING or _LIGHTNING_ERROR is None:
     from lightning_hier.strategies import (
         STRATEGIES,
+        CheckpointError,
         DBSStrategy,
         DDPCommHookStrategy,
         DecoupledStrategy,
@@ -75,6 +76,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "STRATEGIES",
+    "CheckpointError",
     "DBSStrategy",
     "DDPCommHookStrategy",
     "DecoupledStrategy",

@@ -150,6 +150,7 @@ class DynamicBatchSize:
         self.last_rebalance_step = -1  # a step ends at most one period, even if asked twice
         self.history: list[dict[str, Any]] = []
         self._restored_sizes: list[int] | None = None
+        self._restored_segments: list[tuple[int, list[int]]] | None = None
         self._fresh = True  # the first step after a (re)start carries one-off costs: not measured
         self._window: tuple[float, float] | None = None  # (start time, blocked seconds at start)
         self._window_samples = 0
@@ -185,6 +186,8 @@ class DynamicBatchSize:
                 "global batch size."
             )
         self.allocation = Allocation(sizes, self.rank)
+        if self._restored_segments is not None:
+            self.allocation.resume_segments(self._restored_segments)
         return self.allocation
 
     # ------------------------------------------------------------------ per step
@@ -301,8 +304,10 @@ class DynamicBatchSize:
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
         sizes = self.allocation.sizes if self.allocation is not None else self._restored_sizes
+        segments = self.allocation.segments() if self.allocation is not None else self._restored_segments
         return {
             "sizes": list(sizes) if sizes is not None else [],
+            "segments": [[start, list(b)] for start, b in segments or []],
             "steps": self.steps,
             "rebalances": self.rebalances,
             "last_rebalance_step": self.last_rebalance_step,
@@ -312,11 +317,15 @@ class DynamicBatchSize:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the split and the throughput estimates (call before :meth:`bind`)."""
         self._restored_sizes = [int(b) for b in state["sizes"]] or None
+        # the splits of the checkpoint's epoch (absent in checkpoints of format 1)
+        self._restored_segments = [(int(start), [int(x) for x in b]) for start, b in state.get("segments", [])] or None
         self.steps, self.rebalances = int(state["steps"]), int(state["rebalances"])
         self.last_rebalance_step = int(state["last_rebalance_step"])
         self.meter.load_state_dict(state["meter"])
         if self.allocation is not None and self._restored_sizes is not None:
             self.allocation.update(self._restored_sizes, self.allocation.drawn)
+        if self.allocation is not None and self._restored_segments is not None:
+            self.allocation.resume_segments(self._restored_segments)
 
 
 def check_initial_sizes(

@@ -43,6 +43,7 @@ from torch.utils.data import (
 from typing_extensions import override
 
 from lightning_hier.algorithms.dbs_split import split_remainder
+from lightning_hier.resumable import ResumePoint
 
 
 class Allocation:
@@ -64,6 +65,7 @@ class Allocation:
         self.drawn = 0
         self._segments: list[tuple[int, list[int]]] = [(0, self.sizes)]
         self._pending: deque[tuple[int, int]] = deque()  # (samples of this rank, of the global batch)
+        self._resume_segments: list[tuple[int, list[int]]] | None = None
 
     @property
     def world(self) -> int:
@@ -77,11 +79,33 @@ class Allocation:
                 chosen = sizes
         return chosen
 
-    def begin_epoch(self) -> None:
-        """A new pass over the data starts with the newest split; batches drawn ahead are discarded."""
-        self.drawn = 0
-        self._segments = [(0, self.sizes)]
+    def begin_epoch(self, start: int = 0) -> None:
+        """A new pass over the data starts with the newest split; batches drawn ahead are discarded.
+
+        ``start > 0`` resumes the epoch at that batch: with the splits :meth:`resume_segments`
+        restored (those in force when the checkpoint was written), else with the newest.
+        """
+        self.drawn = start
+        resumed = self._resume_segments if start > 0 else None
+        self._segments = resumed or [(0, self.sizes)]
+        self._resume_segments = None
         self._pending.clear()
+
+    def segments(self) -> list[tuple[int, list[int]]]:
+        """The splits of the current epoch: ``(first batch, sizes)``, in order (for checkpoints).
+
+        Before a resumed epoch starts, those restored by :meth:`resume_segments`.
+        """
+        segments = self._resume_segments if self._resume_segments is not None else self._segments
+        return [(start, list(sizes)) for start, sizes in segments]
+
+    def resume_segments(self, segments: Sequence[tuple[int, Sequence[int]]]) -> None:
+        """Splits of the epoch a checkpoint was written in, for the epoch's resumed iteration.
+
+        Batches drawn ahead of training before the checkpoint (DataLoader workers prefetch) may
+        use an older split than the newest: a run resumed mid-epoch must draw them the same way.
+        """
+        self._resume_segments = [(int(start), [int(b) for b in sizes]) for start, sizes in segments]
 
     def draw(self) -> tuple[int, int]:
         """Offset and size of this rank's slice of the next global batch (called by the sampler)."""
@@ -125,12 +149,13 @@ class Allocation:
         self.sizes = new
 
 
-class DynamicBatchSampler(Sampler[list[int]]):
+class DynamicBatchSampler(ResumePoint, Sampler[list[int]]):
     """Batch sampler of one rank: its slice of every global batch, sized by the :class:`Allocation`.
 
     Use it as ``DataLoader(dataset, batch_sampler=...)`` with any map-style dataset. Call
     :meth:`set_epoch` at every epoch (Lightning does, through the :attr:`sampler` alias) so each
-    epoch has a new order.
+    epoch has a new order. :meth:`resume_at` resumes an epoch at a given global batch (a
+    mid-epoch checkpoint; :class:`~lightning_hier.resumable.ResumePoint`).
 
     Args:
         num_samples: Length of the dataset.
@@ -162,15 +187,13 @@ class DynamicBatchSampler(Sampler[list[int]]):
         """Alias of ``self``: Lightning calls ``set_epoch`` on ``dataloader.batch_sampler.sampler``."""
         return self
 
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
     def __len__(self) -> int:
         full, rest = divmod(self.num_samples, self.allocation.global_batch)
         return full + (1 if rest and not self.drop_last else 0)
 
     @override
     def __iter__(self) -> Iterator[list[int]]:
+        skip = self._begin_iteration()
         if self.shuffle:
             g = torch.Generator().manual_seed(self.seed + self.epoch)
             order = torch.randperm(self.num_samples, generator=g)
@@ -178,12 +201,12 @@ class DynamicBatchSampler(Sampler[list[int]]):
             order = torch.arange(self.num_samples)
         batch = self.allocation.global_batch
         full = self.num_samples // batch
-        self.allocation.begin_epoch()
-        for step in range(full):
+        self.allocation.begin_epoch(start=min(skip, len(self)))
+        for step in range(skip, full):
             offset, size = self.allocation.draw()
             start = step * batch + offset
             yield order[start : start + size].tolist()
-        if len(self) > full:
+        if len(self) > max(full, skip):
             start = full * batch
             offset, size = self.allocation.draw_last(self.num_samples - start)
             # every rank must run the step (equal step counts): with no share, train on the batch's

@@ -3,6 +3,7 @@
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_hier.strategies._base import HierStrategy
+from lightning_hier.strategies._checkpoint import CheckpointError
 from lightning_hier.strategies._finite import NonFiniteError
 from lightning_hier.strategies.averaging import AveragingStrategy, EasgdStrategy, LocalSGDStrategy, LsgdStrategy
 from lightning_hier.strategies.dbs import DBSStrategy
@@ -38,6 +39,7 @@ def register_all() -> None:
 __all__ = [
     "STRATEGIES",
     "AveragingStrategy",
+    "CheckpointError",
     "DBSStrategy",
     "DDPCommHookStrategy",
     "DecoupledStrategy",

@@ -51,8 +51,9 @@ from lightning_hier import _validate as v
 from lightning_hier.comm import CommStats, FailureBoard, broadcast_, broadcast_object
 from lightning_hier.comm.failures import is_communication_error
 from lightning_hier.rng import restore_rng
-from lightning_hier.strategies import _finish
+from lightning_hier.strategies import _data_position, _finish
 from lightning_hier.strategies._checkpointing import CheckpointingStrategy
+from lightning_hier.strategies._data_position import DataPosition
 from lightning_hier.strategies._finish import FinishOnce
 from lightning_hier.strategies._finite import FiniteChecks, warn_if_not_finite
 from lightning_hier.strategies._launchers import _ReportingLauncher
@@ -129,6 +130,7 @@ class HierStrategy(FinishOnce, FiniteChecks, CheckpointingStrategy):
         self._restored: dict[str, Any] | None = None
         self._eval_stack: ExitStack | None = None
         self.comm_stats = CommStats()
+        self.data_position = DataPosition()
         self.last_metrics: dict[str, float] = {}
 
     # ------------------------------------------------------------------ layout and ranks
@@ -256,6 +258,7 @@ class HierStrategy(FinishOnce, FiniteChecks, CheckpointingStrategy):
         if self._restored is None:
             self._sync_initial_state()
         if fitting:
+            self.data_position = DataPosition()  # a new fit (the loader may be built by the optimizers' set-up)
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if fitting:
@@ -264,12 +267,14 @@ class HierStrategy(FinishOnce, FiniteChecks, CheckpointingStrategy):
             if self._restored is not None:
                 self._apply_restored_state()
             _finish.install(trainer)
+            _data_position.install_callback(trainer)
 
     def _apply_restored_state(self) -> None:
         """Apply this rank's saved algorithm state and accounting (the RNG waits for ``on_train_start``)."""
         assert self._restored is not None
         self._load_algorithm_state(self._restored.get("algorithm", {}))
         self.comm_stats.load_state_dict(self._restored["comm"])
+        self.data_position.restore(self._restored.get("data"))  # absent in format 1: Lightning's behaviour
 
     @override
     def model_to_device(self) -> None:
@@ -335,19 +340,29 @@ class HierStrategy(FinishOnce, FiniteChecks, CheckpointingStrategy):
         self._restored = None  # everything is restored by now (optimizer states come after setup)
 
     @override
-    def process_dataloader(self, dataloader: object) -> object:
-        """Give the training DataLoader its own generator for iterator seeds.
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        module = self.lightning_module
+        if module is not None and module._trainer is not None:
+            self.data_position.batch_started(module.trainer.current_epoch, batch_idx)
 
-        Without one, every ``iter(loader)`` draws a seed from the global RNG, and whether Lightning
-        builds a throwaway iterator after a resume depends on where in the loop the checkpoint was
-        taken; the global stream (dropout, augmentation) would then shift by one draw. The
-        generator is seeded without drawing from the global RNG.
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """Make the training DataLoader resumable mid-epoch, with its own generator for iterator seeds.
+
+        Without a generator, every ``iter(loader)`` draws a seed from the global RNG, and whether
+        Lightning builds a throwaway iterator after a resume depends on where in the loop the
+        checkpoint was taken; the global stream (dropout, augmentation) would then shift by one
+        draw. The generator is seeded without drawing from the global RNG. The sampler resumes
+        at the checkpoint's batch (:mod:`lightning_hier.strategies._data_position`).
         """
         trainer = self.lightning_module._trainer if self.lightning_module is not None else None
         training = trainer is not None and trainer.state.stage == RunningStage.TRAINING
-        if training and isinstance(dataloader, DataLoader) and dataloader.generator is None:
-            seed = (torch.initial_seed() + 1_000_003 * self.global_rank) % 2**63
-            dataloader.generator = torch.Generator().manual_seed(seed)
+        if training and isinstance(dataloader, DataLoader):
+            if dataloader.generator is None:
+                seed = (torch.initial_seed() + 1_000_003 * self.global_rank) % 2**63
+                dataloader.generator = torch.Generator().manual_seed(seed)
+            self.data_position.install(dataloader)
         return dataloader
 
     @override

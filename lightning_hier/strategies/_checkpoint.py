@@ -6,31 +6,45 @@ rank's own state, or a resume silently restarts all ranks from rank 0. The strat
 ``RankState`` per rank into the file rank 0 writes, under :data:`STATE_KEY`::
 
     checkpoint["lightning_hier"] = {
-        "format": 1,
+        "format": 2,
         "strategy": "hpsgd",                  # registry name of the writer
         "topology": {"world_size": 2, ...},   # Topology.describe()
-        "ranks": [rank_state_0, rank_state_1, ...],
+        "ranks": [rank_state_0, rank_state_1, ...],   # absent in a weights-only checkpoint
+        "checksums": {"state_dict": "<sha256>", "ranks": ["<sha256 of rank 0's state>", ...]},
     }
-    rank_state = {"model": ..., "optimizer_states": [...], "rng": {...}, "algorithm": {...}, "comm": {...}}
+    rank_state = {"model": ..., "optimizer_states": [...], "rng": {...}, "algorithm": {...}, "comm": {...},
+                  "data": {"epoch": ..., "batches": ...}}
 
 Everything is tensors and plain Python types, so the file loads with ``weights_only=True``.
+
+**Checksums** (format 2). A damaged file can still unpickle: flipped bytes inside a tensor's
+record load as other numbers, and the run would resume from a wrong model. Each rank's state and
+the consensus ``state_dict`` therefore carry a SHA-256 of their content (:func:`state_digest`:
+every tensor's dtype, shape and bytes and every plain value, in order), checked on load. Format
+1 (written by earlier versions, without checksums) still loads, with a warning that its integrity
+cannot be checked.
 """
 
 from __future__ import annotations
 
-import os
-import tempfile
+import hashlib
+import pickle
+import warnings
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
 STATE_KEY = "lightning_hier"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+LEGACY_FORMATS = (1,)  # readable, without checksums
 # layout fields that must match for a resume; num_nodes may differ (same ranks, other hosts)
 _LAYOUT_FIELDS = ("world_size", "data", "pipe", "model")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file that cannot be used: unreadable, damaged, or written by an incompatible run."""
 
 
 def detach_state(state: Any) -> Any:
@@ -50,71 +64,191 @@ def detach_state(state: Any) -> Any:
     return state
 
 
-def strategy_section(strategy: str, topology: Mapping[str, int], ranks: list[dict[str, Any]]) -> dict[str, Any]:
-    return {"format": FORMAT_VERSION, "strategy": strategy, "topology": dict(topology), "ranks": ranks}
+# ---------------------------------------------------------------------------------- checksums
+def state_digest(state: Any) -> str:
+    """SHA-256 (hex) of a nested state: tensors, mappings, sequences and plain values, in order.
+
+    The same content gives the same digest before saving and after loading (with or without
+    ``weights_only``): tensors contribute their dtype, shape and raw bytes, containers their kind
+    and length, plain values their type and ``repr``. Anything else contributes its type name
+    and its pickle (the format only holds tensors and plain types).
+    """
+    digest = hashlib.sha256()
+    _feed(digest, state)
+    return digest.hexdigest()
 
 
+def _feed(digest: Any, obj: Any) -> None:
+    if isinstance(obj, Tensor):
+        _feed_tensor(digest, obj)
+    elif isinstance(obj, Mapping):
+        _tag(digest, "map", len(obj))
+        for key, value in obj.items():
+            _feed(digest, key)
+            _feed(digest, value)
+    elif isinstance(obj, list | tuple):
+        _tag(digest, type(obj).__name__, len(obj))
+        for value in obj:
+            _feed(digest, value)
+    elif obj is None or isinstance(obj, bool | int | float | complex | str | bytes):
+        _tag(digest, type(obj).__name__, repr(obj))
+    else:
+        try:
+            data = pickle.dumps(obj, protocol=4)
+        except Exception:  # an unpicklable object could not have been saved either
+            data = b""
+        _tag(digest, f"object:{type(obj).__qualname__}", len(data))
+        digest.update(data)
+
+
+def _feed_tensor(digest: Any, tensor: Tensor) -> None:
+    t = tensor.detach()
+    if t.layout != torch.strided:
+        t = t.to_dense()
+    _tag(digest, f"tensor:{t.dtype}", tuple(t.shape))
+    if t.numel() and t.device.type != "meta":
+        raw = t.to("cpu").contiguous().reshape(-1).view(torch.uint8)
+        digest.update(raw.numpy().data)
+
+
+def _tag(digest: Any, kind: str, detail: object) -> None:
+    text = f"{kind}:{detail}".encode()
+    digest.update(len(text).to_bytes(8, "little"))  # length-prefixed: no two encodings run together
+    digest.update(text)
+
+
+# ---------------------------------------------------------------------------------- writing
+def strategy_section(
+    strategy: str,
+    topology: Mapping[str, int],
+    state_dict: Mapping[str, Any],
+    ranks: list[dict[str, Any]] | None,
+    rank_digests: list[str] | None,
+) -> dict[str, Any]:
+    """The section rank 0 writes under :data:`STATE_KEY`.
+
+    Args:
+        strategy: Registry name of the writer.
+        topology: ``Topology.describe()``.
+        state_dict: The checkpoint's (consensus) ``state_dict``, checksummed here.
+        ranks: Every rank's state, by global rank; ``None`` for a weights-only checkpoint.
+        rank_digests: :func:`state_digest` of each rank's state, computed by that rank.
+    """
+    section: dict[str, Any] = {"format": FORMAT_VERSION, "strategy": strategy, "topology": dict(topology)}
+    checksums: dict[str, Any] = {"state_dict": state_digest(state_dict)}
+    if ranks is not None:
+        section["ranks"] = ranks
+        checksums["ranks"] = list(rank_digests or [])
+    section["checksums"] = checksums
+    return section
+
+
+# ---------------------------------------------------------------------------------- reading
 def select_rank_state(
     checkpoint: Mapping[str, Any], path: str, strategy: str, topology: Mapping[str, int], rank: int
 ) -> dict[str, Any]:
     """This rank's saved state, after checking the checkpoint was written by a compatible run.
 
+    The checksum of the state is checked separately (:func:`rank_state_damaged`), so that the
+    ranks can agree on which states are damaged before any of them raises.
+
     Raises:
-        ValueError: The checkpoint has no lightning-hier state, or was written by another strategy,
-            format or layout.
+        CheckpointError: The checkpoint has no lightning-hier state, holds no per-rank states
+            (weights only), or was written by another strategy, format or layout, or holds
+            fewer or more rank states than its world size.
     """
-    section = checkpoint.get(STATE_KEY)
-    if not isinstance(section, Mapping):
-        raise ValueError(
-            f"Cannot resume '{strategy}' from {path}: the checkpoint has no lightning-hier strategy state "
-            "(it was written by another strategy such as Lightning's DDP, or with weights_only=True). "
-            "To start a new run from its weights, load its 'state_dict' into the model and call fit() "
-            "without ckpt_path."
-        )
-    if section.get("format") != FORMAT_VERSION:
-        raise ValueError(
-            f"Cannot resume from {path}: checkpoint format {section.get('format')!r} is not supported "
-            f"(this version reads format {FORMAT_VERSION})."
-        )
+    section = _section(checkpoint, path, strategy)
     if section.get("strategy") != strategy:
-        raise ValueError(
+        raise CheckpointError(
             f"Cannot resume from {path}: it was written by strategy '{section.get('strategy')}', "
             f"but this run uses '{strategy}'. Resume with the same strategy."
         )
     saved = {k: section["topology"].get(k) for k in _LAYOUT_FIELDS}
     current = {k: topology[k] for k in _LAYOUT_FIELDS}
     if saved != current:
-        raise ValueError(
+        raise CheckpointError(
             f"Cannot resume '{strategy}' from {path}: it was written with layout {saved}, "
             f"but this run has layout {current}. Resume with the same number of processes and layout."
         )
+    if "ranks" not in section:
+        raise CheckpointError(
+            f"Cannot resume '{strategy}' from {path}: it was saved with weights only (no optimizer or per-rank "
+            "state). To start a new run from its weights, load its 'state_dict' into the model and call fit() "
+            "without ckpt_path."
+        )
     ranks = section["ranks"]
+    world_size = int(current["world_size"])
+    if not isinstance(ranks, list) or len(ranks) != world_size:
+        count = len(ranks) if isinstance(ranks, list) else type(ranks).__name__
+        raise CheckpointError(
+            f"Cannot resume '{strategy}' from {path}: it holds the states of {count} rank(s), but its world size "
+            f"is {world_size}: the file is incomplete or damaged. Resume from another checkpoint."
+        )
+    if section["format"] == FORMAT_VERSION:
+        digests = section.get("checksums", {}).get("ranks")
+        if not isinstance(digests, list) or len(digests) != world_size:
+            raise CheckpointError(
+                f"Cannot resume '{strategy}' from {path}: its checksums of the {world_size} rank states are missing "
+                "or incomplete: the file is damaged. Resume from another checkpoint."
+            )
     return dict(ranks[rank])
 
 
-def atomic_save(checkpoint: Mapping[str, Any], filepath: str | Path) -> None:
-    """Write ``checkpoint`` so that an existing file at ``filepath`` is replaced only by a complete one.
+def rank_state_damaged(checkpoint: Mapping[str, Any], rank: int) -> bool:
+    """Whether ``rank``'s saved state differs from the checksum written with it (format 1: never known)."""
+    section = checkpoint[STATE_KEY]
+    if section["format"] != FORMAT_VERSION:
+        return False
+    return state_digest(section["ranks"][rank]) != section["checksums"]["ranks"][rank]
 
-    A crash mid-write leaves the previous checkpoint intact (write to a temporary file in the same
-    directory, fsync, then an atomic rename).
+
+def damaged_ranks_error(path: str, strategy: str, ranks: list[int]) -> CheckpointError:
+    """The error every rank raises when the saved states of ``ranks`` do not match their checksums."""
+    which = f"rank {ranks[0]}'s saved state does" if len(ranks) == 1 else f"the saved states of ranks {ranks} do"
+    return CheckpointError(
+        f"Cannot resume '{strategy}' from {path}: {which} not match the SHA-256 checksum written with it: "
+        "the file was damaged after it was saved (disk, copy or transfer). Resume from another checkpoint."
+    )
+
+
+def check_state_dict(checkpoint: Mapping[str, Any], path: str) -> None:
+    """Check the consensus ``state_dict`` against its checksum (validate / test / predict from a file).
+
+    Raises:
+        CheckpointError: It does not match; nothing is checked for checkpoints without a
+            lightning-hier section or of format 1.
     """
-    path = Path(filepath)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        os.fchmod(fd, _plain_file_mode())  # mkstemp makes 0600; Lightning's own writes follow the umask
-        with os.fdopen(fd, "wb") as f:
-            torch.save(dict(checkpoint), f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    section = checkpoint.get(STATE_KEY)
+    if not isinstance(section, Mapping) or section.get("format") != FORMAT_VERSION:
+        return
+    expected = section.get("checksums", {}).get("state_dict")
+    if expected != state_digest(checkpoint.get("state_dict")):
+        raise CheckpointError(
+            f"Cannot load the model from {path}: its 'state_dict' does not match the SHA-256 checksum written "
+            "with it: the file was damaged after it was saved. Use another checkpoint."
+        )
 
 
-def _plain_file_mode() -> int:
-    """The mode ``open(path, "w")`` gives a new file: 0666 less the process umask (0644 usually)."""
-    umask = os.umask(0)  # the only portable way to read it: set and restore at once
-    os.umask(umask)
-    return 0o666 & ~umask
+def _section(checkpoint: Mapping[str, Any], path: str, strategy: str) -> Mapping[str, Any]:
+    section = checkpoint.get(STATE_KEY)
+    if not isinstance(section, Mapping):
+        raise CheckpointError(
+            f"Cannot resume '{strategy}' from {path}: the checkpoint has no lightning-hier strategy state "
+            "(it was written by another strategy such as Lightning's DDP, or saved with weights only). "
+            "To start a new run from its weights, load its 'state_dict' into the model and call fit() "
+            "without ckpt_path."
+        )
+    fmt = section.get("format")
+    if fmt in LEGACY_FORMATS:
+        warnings.warn(
+            f"{path} was written in checkpoint format {fmt}, without checksums: its integrity cannot be checked. "
+            "Save a new checkpoint to get checksums.",
+            UserWarning,
+            stacklevel=3,
+        )
+    elif fmt != FORMAT_VERSION:
+        raise CheckpointError(
+            f"Cannot resume from {path}: checkpoint format {fmt!r} is not supported "
+            f"(this version reads formats {[*LEGACY_FORMATS, FORMAT_VERSION]})."
+        )
+    return section

@@ -2,18 +2,22 @@
 
 :class:`CheckpointingStrategy` is the layer of :class:`~lightning_hier.strategies._base.HierStrategy`
 that talks to Lightning's checkpoint hooks. ``trainer.save_checkpoint`` gathers every rank's
-model, optimizer, RNG and algorithm state to rank 0, which writes one file atomically; the
-checkpoint's ``state_dict`` is the *consensus* model (what validation sees). On resume each rank
-takes its own state back, checked against this run's strategy and layout (the format lives in
-:mod:`lightning_hier.strategies._checkpoint`).
+model, optimizer, RNG, algorithm state and data position, with the rank's checksum of it, to rank
+0, which writes one file atomically; the checkpoint's ``state_dict`` is the *consensus* model
+(what validation sees). On resume each rank takes its own state back, checked against this run's
+strategy, layout and world size and against its checksum; the ranks agree on the damaged states
+before any raises (the format lives in :mod:`lightning_hier.strategies._checkpoint`, the file
+handling in :mod:`lightning_hier.strategies._checkpoint_file`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
+from math import inf
 from typing import TYPE_CHECKING, Any, ClassVar
 
+import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.optimizer import _optimizer_to_device
 from lightning.pytorch.strategies import ParallelStrategy
@@ -23,10 +27,12 @@ from typing_extensions import override
 from lightning_hier.comm import CommStats, gather_objects
 from lightning_hier.rng import capture_rng
 from lightning_hier.strategies import _checkpoint as ckpt
+from lightning_hier.strategies._checkpoint_file import atomic_save, read_checkpoint
 
 if TYPE_CHECKING:
     from lightning.fabric.utilities.types import _PATH
 
+    from lightning_hier.strategies._data_position import DataPosition
     from lightning_hier.topology import Topology
 
 
@@ -41,6 +47,7 @@ class CheckpointingStrategy(ParallelStrategy):
     """Registry name; also written into checkpoints, which are refused by another strategy."""
 
     comm_stats: CommStats
+    data_position: DataPosition
     _restored: dict[str, Any] | None = None  # this rank's saved state, between load and on_train_start
     _eval_stack: ExitStack | None = None  # the consensus entered for validation
 
@@ -74,18 +81,24 @@ class CheckpointingStrategy(ParallelStrategy):
         rank 0 only (``if trainer.is_global_zero: trainer.save_checkpoint(...)``) deadlocks.
         """
         filepath = self.broadcast(filepath)
-        if "optimizer_states" in checkpoint:  # a full checkpoint, not weights_only
+        full = "optimizer_states" in checkpoint  # not weights_only
+        states: list[tuple[dict[str, Any], str]] | None = None
+        if full:
             with self._replicas_in_place():
-                states = gather_objects(self._rank_state(checkpoint), dst=0, group=dist.group.WORLD)
-            if self.is_global_zero:
-                assert states is not None
-                checkpoint[ckpt.STATE_KEY] = ckpt.strategy_section(
-                    self.strategy_name or type(self).__name__, self.topology.describe(), states
-                )
+                state = self._rank_state(checkpoint)
+                # each rank checksums its own state: what rank 0 writes is checked against what the rank had
+                states = gather_objects((state, ckpt.state_digest(state)), dst=0, group=dist.group.WORLD)
         if not self.is_global_zero:
             return
+        checkpoint[ckpt.STATE_KEY] = ckpt.strategy_section(
+            self.strategy_name or type(self).__name__,
+            self.topology.describe(),
+            checkpoint.get("state_dict", {}),
+            [s for s, _ in states] if states is not None else None,
+            [d for _, d in states] if states is not None else None,
+        )
         if storage_options is None and "://" not in str(filepath):
-            ckpt.atomic_save(checkpoint, filepath)
+            atomic_save(checkpoint, filepath)
         else:
             self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
@@ -114,22 +127,39 @@ class CheckpointingStrategy(ParallelStrategy):
             "rng": capture_rng(),
             "algorithm": ckpt.detach_state(self._algorithm_state()),
             "comm": self.comm_stats.state_dict(),
+            "data": self.data_position.state_dict(self._batches_per_epoch()),
         }
+
+    def _batches_per_epoch(self) -> float:
+        module = self.lightning_module
+        return module.trainer.num_training_batches if module is not None and module._trainer is not None else inf
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
+        path = str(checkpoint_path)
+        load = super().load_checkpoint
+        checkpoint = read_checkpoint(path, lambda: load(path, weights_only))
         module = self.lightning_module
         fitting = module is not None and module._trainer is not None and module.trainer.state.fn == TrainerFn.FITTING
-        if fitting:
-            self._restored = ckpt.select_rank_state(
-                checkpoint,
-                str(checkpoint_path),
-                self.strategy_name or type(self).__name__,
-                self.topology.describe(),
-                self.global_rank,
-            )
+        if not fitting:  # validate / test / predict: the consensus state_dict is what is used
+            ckpt.check_state_dict(checkpoint, path)
+            return checkpoint
+        name = self.strategy_name or type(self).__name__
+        restored = ckpt.select_rank_state(checkpoint, path, name, self.topology.describe(), self.global_rank)
+        damaged = self._agree_on_damaged(ckpt.rank_state_damaged(checkpoint, self.global_rank))
+        if damaged:  # every rank raises the same error, so none waits for a damaged peer
+            raise ckpt.damaged_ranks_error(path, name, damaged)
+        self._restored = restored
         return checkpoint
+
+    def _agree_on_damaged(self, mine: bool) -> list[int]:
+        """The ranks whose saved state failed its checksum (each checks its own; one small all-reduce)."""
+        if not dist.is_initialized():
+            return [self.global_rank] if mine else []
+        flags = torch.zeros(self.world_size, device=self.root_device)
+        flags[self.global_rank] = float(mine)
+        dist.all_reduce(flags, group=dist.group.WORLD)
+        return [rank for rank, flag in enumerate(flags.tolist()) if flag]
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:

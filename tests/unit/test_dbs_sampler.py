@@ -174,3 +174,26 @@ class _Pairs(BatchSampler):
 def test_loaders_dbs_cannot_honour_are_rejected_clearly(loader, match):
     with pytest.raises(TypeError, match=match):
         dynamic_batch_loader(loader, Allocation([3, 5], rank=0), seed=0)
+
+
+def test_an_epoch_resumed_mid_way_draws_every_later_batch_with_the_split_it_had():
+    # a DataLoader with workers draws batches ahead: the rebalance after step 3 applies from batch 5,
+    # so batches 3 and 4 (drawn, not yet trained at the checkpoint after step 3) keep the old split
+    alloc = Allocation([5, 5], rank=0)
+    sampler = DynamicBatchSampler(N, alloc, seed=2)
+    sampler.set_epoch(1)
+    it = iter(sampler)
+    drawn = [next(it) for _ in range(5)]
+    alloc.update([7, 3], effective_from=alloc.drawn)
+    rest = drawn[3:] + list(it)
+    saved = alloc.segments()
+    assert saved == [(0, [5, 5]), (5, [7, 3])]
+
+    resumed = Allocation([7, 3], rank=0)  # the checkpoint's newest split, as DynamicBatchSize.bind makes it
+    resumed.resume_segments(saved)
+    again = DynamicBatchSampler(N, resumed, seed=2)
+    again.resume_at(1, 3)
+    again.set_epoch(2)  # ignored: the resume position wins for this iteration
+    assert list(again) == rest
+    assert [len(b) for b in rest[:3]] == [5, 5, 7]
+    assert resumed.segments() == saved and [len(b) for b in list(again)[:1]] == [7]  # a new iteration: the newest split
