@@ -1,10 +1,13 @@
 """Parcels between neighbours: shapes and dtypes unknown to the receiver, growth, empty messages."""
 
+import time
+from datetime import timedelta
+
 import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_hier.comm import CommStats, Mailbox, Parcel
+from lightning_hier.comm import CommStats, Mailbox, Parcel, PeerError
 from lightning_hier.comm.p2p import HEADER_BYTES
 from lightning_hier.testing import run_workers
 
@@ -62,3 +65,28 @@ def test_unsupported_parcels_fail_before_sending():
         box.exchange({1: Parcel((torch.zeros(2, dtype=torch.complex64),))}, ())
     with pytest.raises(ValueError, match="at most 3 tensors"):
         box.exchange({1: Parcel(tuple(torch.zeros(1) for _ in range(4)))}, ())
+
+
+def _silent_neighbour() -> tuple[str, tuple[int, ...], float] | None:
+    # the group's own limit is long (as after start-up with init_timeout); the mailbox's is 1 s
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    store = dist.distributed_c10d._get_default_store()
+    if dist.get_rank() == 1:  # alive, but never sends: a hung neighbour
+        store.wait(["done"], timedelta(seconds=120))
+        return None
+    box = Mailbox(None, torch.device("cpu"), CommStats(), timeout=timedelta(seconds=1))
+    start = time.monotonic()
+    try:
+        box.recv(1)
+    except PeerError as err:
+        return str(err), err.peers, time.monotonic() - start
+    finally:
+        store.set("done", "1")
+    return None
+
+
+def test_a_silent_neighbour_fails_the_receive_within_the_mailbox_timeout_and_is_named():
+    message, peers, waited = run_workers(_silent_neighbour, devices=2, timeout=90)[0]
+    assert peers == (1,)
+    assert "rank 0" in message and "receive from rank 1" in message and "rank(s) [1] did not answer" in message
+    assert waited < 30, f"waited {waited:.1f} s for a 1 s timeout"
