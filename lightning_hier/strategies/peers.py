@@ -27,6 +27,10 @@ One addition to torch's behaviour: post-local SGD leaves the replicas apart for 
 after the last optimizer step, like the averaging strategies of this package). User
 ``on_train_end`` hooks, checkpoints after fit and the model ``fit()`` returns are then one model,
 the same on every rank.
+
+Failures are handled as in every strategy of this package
+(:mod:`lightning_hier.strategies._failure`): the failing rank is named, a watchdog ends ranks left
+hanging or orphaned, and the fork / spawn launcher forwards SIGINT and SIGTERM to the ranks.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, post_localSGD_hook, powerSGD_hook
 from torch.nn import Module
@@ -50,6 +55,7 @@ from lightning_hier.comm import all_reduce_mean_
 from lightning_hier.strategies import _finish
 from lightning_hier.strategies._base import BACKENDS, DEFAULT_TIMEOUT_S, _check_timeout
 from lightning_hier.strategies._buckets import check_bucket_mb
+from lightning_hier.strategies._failure import FailureHandling
 from lightning_hier.strategies._finish import FinishOnce
 from lightning_hier.strategies._finite import FiniteChecks
 from lightning_hier.strategies._registry import register_family
@@ -71,7 +77,7 @@ MIN_WARMUP = {"post_local_sgd": 0, "powersgd": 2}
 _SET_BY_HOOK = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper")
 
 
-class DDPCommHookStrategy(FinishOnce, FiniteChecks, DDPStrategy):
+class DDPCommHookStrategy(FinishOnce, FiniteChecks, FailureHandling, DDPStrategy):
     """Lightning's DDP with a torch communication hook (PostLocalSGD, PowerSGD or fp16), on any device.
 
     Args:
@@ -148,6 +154,24 @@ class DDPCommHookStrategy(FinishOnce, FiniteChecks, DDPStrategy):
                 strategy_registry, cls, name, f"DDP with torch's {hook} communication hook, on any device", hook=hook
             )
 
+    # ------------------------------------------------------------------ processes and failures
+    @override
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        if isinstance(self._launcher, _MultiProcessingLauncher):
+            self._launcher = self._reporting_launcher(self._start_method)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self._start_failure_board()
+
+    @override
+    def teardown(self) -> None:
+        self._stop_failure_board()
+        super().teardown()
+
+    # ------------------------------------------------------------------ the DDP wrapper and its hook
     @override
     def _setup_model(self, model: Module) -> DistributedDataParallel:
         if self.hook == "powersgd" and dist.get_backend() != "nccl":
