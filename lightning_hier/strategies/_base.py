@@ -48,6 +48,7 @@ from typing_extensions import override
 
 from lightning_hier import _validate as v
 from lightning_hier.comm import CommStats, broadcast_, broadcast_object
+from lightning_hier.comm.rendezvous import init_default_group
 from lightning_hier.rng import restore_rng
 from lightning_hier.strategies import _data_position, _finish
 from lightning_hier.strategies._checkpointing import CheckpointingStrategy
@@ -211,11 +212,14 @@ class HierStrategy(FinishOnce, FiniteChecks, FailureHandling, CheckpointingStrat
         if not dist.is_initialized():
             os.environ["MASTER_ADDR"] = self.cluster_environment.main_address
             os.environ["MASTER_PORT"] = str(self.cluster_environment.main_port)
-            dist.init_process_group(
+            init_default_group(  # its store listens on MASTER_ADDR only, not on every interface
                 self.process_group_backend,
                 rank=self.global_rank,
                 world_size=self.world_size,
+                address=self.cluster_environment.main_address,
+                port=self.cluster_environment.main_port,
                 timeout=self._init_timeout,
+                multi_node=self.num_nodes > 1,
             )
         if self._groups is None:
             self._resolve_layout()

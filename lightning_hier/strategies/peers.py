@@ -30,12 +30,14 @@ the same on every rank.
 
 Failures are handled as in every strategy of this package
 (:mod:`lightning_hier.strategies._failure`): the failing rank is named, a watchdog ends ranks left
-hanging or orphaned, and the fork / spawn launcher forwards SIGINT and SIGTERM to the ranks.
+hanging or orphaned, the fork / spawn launcher forwards SIGINT and SIGTERM to the ranks, and the
+rendezvous store listens on ``MASTER_ADDR`` only.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -52,6 +54,7 @@ from typing_extensions import override
 
 from lightning_hier import _validate as v
 from lightning_hier.comm import all_reduce_mean_
+from lightning_hier.comm.rendezvous import init_default_group
 from lightning_hier.strategies import _finish
 from lightning_hier.strategies._base import BACKENDS, DEFAULT_TIMEOUT_S, _check_timeout
 from lightning_hier.strategies._buckets import check_bucket_mb
@@ -160,6 +163,24 @@ class DDPCommHookStrategy(FinishOnce, FiniteChecks, FailureHandling, DDPStrategy
         super()._configure_launcher()
         if isinstance(self._launcher, _MultiProcessingLauncher):
             self._launcher = self._reporting_launcher(self._start_method)
+
+    @override
+    def setup_distributed(self) -> None:
+        if not dist.is_initialized():  # Lightning's own set-up then finds the group and only adds its settings
+            self.set_world_ranks()
+            env = self.cluster_environment
+            assert env is not None
+            os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = env.main_address, str(env.main_port)
+            init_default_group(  # its store listens on MASTER_ADDR only, not on every interface
+                self._get_process_group_backend(),
+                rank=self.global_rank,
+                world_size=self.world_size,
+                address=env.main_address,
+                port=env.main_port,
+                timeout=self._timeout or timedelta(seconds=DEFAULT_TIMEOUT_S),
+                multi_node=self.num_nodes > 1,
+            )
+        super().setup_distributed()
 
     @override
     def setup_environment(self) -> None:
