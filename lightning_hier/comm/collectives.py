@@ -70,6 +70,17 @@ def wait_all(works: Sequence[dist.Work], stats: CommStats | None = None, timeout
     _wait(list(works), stats, timeout)
 
 
+def p2p_wait_limit(group: Group, timeout: timedelta | None) -> timedelta | None:
+    """The limit to pass to :func:`wait_all` for point-to-point operations on ``group``.
+
+    gloo needs ``timeout`` (it would wait for the group's creation-time limit); NCCL's watchdog
+    bounds every operation itself, and a limit there would block the CPU thread until completion.
+    """
+    if timeout is None or dist.get_backend(group) == "nccl":
+        return None
+    return timeout
+
+
 def broadcast_(tensors: Sequence[Tensor], src: int, group: Group, stats: CommStats | None = None) -> None:
     """Broadcast tensors from global rank ``src`` to ``group``, in place."""
     if group is None:

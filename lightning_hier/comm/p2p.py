@@ -31,8 +31,9 @@ from math import prod
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from typing_extensions import override
 
-from lightning_hier.comm.collectives import wait_all
+from lightning_hier.comm.collectives import p2p_wait_limit, wait_all
 from lightning_hier.comm.stats import CommStats
 
 Group = dist.ProcessGroup | None
@@ -98,6 +99,10 @@ class PeerError(RuntimeError):
     def __init__(self, message: str, peers: Sequence[int]) -> None:
         super().__init__(message)
         self.peers = tuple(peers)
+
+    @override
+    def __reduce__(self) -> tuple[type[PeerError], tuple[str, tuple[int, ...]]]:
+        return type(self), (str(self), self.peers)  # picklable across processes (its arguments differ)
 
 
 @dataclass(frozen=True)
@@ -279,7 +284,7 @@ class Posted:
 
     def _wait(self, works: list[dist.Work], labels: list[_Op]) -> None:
         box = self._box
-        limit = box.timeout if box.timeout is not None and dist.get_backend(box.group) != "nccl" else None
+        limit = p2p_wait_limit(box.group, box.timeout)
         # gloo returns one handle per operation; a backend that coalesces returns fewer
         pairs = list(zip(works, labels, strict=True)) if len(works) == len(labels) else [(w, None) for w in works]
         for work, label in pairs:

@@ -222,12 +222,12 @@ class Grid2DStrategy(HierStrategy):
         if self._grid != (1, self.world_size):
             self._groups = self.topology.build(self.global_rank, timeout=self._init_timeout)
             self._set_collective_timeout()
-            self.grid_context = GridContext.from_groups(self.groups, self.grid_stats)
+            self.grid_context = GridContext.from_groups(self.groups, self.grid_stats, self._timeout)
 
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        self.grid_context = GridContext.from_groups(self.groups, self.grid_stats)
+        self.grid_context = GridContext.from_groups(self.groups, self.grid_stats, self._timeout)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
