@@ -56,7 +56,7 @@ from lightning_hier import _validate as v
 from lightning_hier.comm import all_reduce_mean_
 from lightning_hier.comm.rendezvous import init_default_group
 from lightning_hier.strategies import _finish
-from lightning_hier.strategies._base import BACKENDS, DEFAULT_TIMEOUT_S, _check_timeout
+from lightning_hier.strategies._base import BACKENDS, DEFAULT_INIT_TIMEOUT_S, DEFAULT_TIMEOUT_S, _check_timeout
 from lightning_hier.strategies._buckets import check_bucket_mb
 from lightning_hier.strategies._failure import FailureHandling
 from lightning_hier.strategies._finish import FinishOnce
@@ -93,7 +93,9 @@ class DDPCommHookStrategy(FinishOnce, FiniteChecks, FailureHandling, DDPStrategy
         bucket_cap_mb: DDP's bucket size in MiB, >= 0.001 (``None``: DDP's default, 25). For ``powersgd``
             without NCCL, ``None`` sizes one bucket to hold the whole model, and a smaller value
             fails when the model is wrapped.
-        timeout: Seconds (or a ``timedelta``) a collective may wait before the run fails.
+        timeout: Seconds (or a ``timedelta``) a collective may wait before the run fails. The
+            start-up rendezvous waits at least the default ``init_timeout`` of the other
+            strategies (600 s): ranks start seconds apart (a popen rank imports Lightning first).
         start_method: ``'popen'`` (Lightning's default; torchrun/SLURM), ``'spawn'``, ``'fork'``
             or ``'forkserver'``.
         process_group_backend: ``None`` (gloo on CPU, NCCL on GPU), ``'gloo'``, ``'nccl'`` or ``'mpi'``.
@@ -171,15 +173,17 @@ class DDPCommHookStrategy(FinishOnce, FiniteChecks, FailureHandling, DDPStrategy
             env = self.cluster_environment
             assert env is not None
             os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = env.main_address, str(env.main_port)
+            timeout = self._timeout or timedelta(seconds=DEFAULT_TIMEOUT_S)
             init_default_group(  # its store listens on MASTER_ADDR only, not on every interface
                 self._get_process_group_backend(),
                 rank=self.global_rank,
                 world_size=self.world_size,
                 address=env.main_address,
                 port=env.main_port,
-                timeout=self._timeout or timedelta(seconds=DEFAULT_TIMEOUT_S),
+                timeout=max(timeout, timedelta(seconds=DEFAULT_INIT_TIMEOUT_S)),
                 multi_node=self.num_nodes > 1,
             )
+            dist.distributed_c10d._set_pg_timeout(timeout, dist.group.WORLD)  # start-up is over
         super().setup_distributed()
 
     @override
