@@ -8,22 +8,14 @@ import signal
 import threading
 import time
 from datetime import timedelta
-from pathlib import Path
 
 import torch.distributed as dist
 
 from lightning_hier.comm import FailureBoard
 from lightning_hier.comm.failures import Parent
+from tests.helpers import process_alive
 
 _FORK = mp.get_context("fork")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in ("Z", "X")
 
 
 def _host_store(conn: mp.connection.Connection) -> None:
@@ -74,9 +66,9 @@ def test_a_rank_whose_launcher_died_ends_itself():
     rank = reader.recv()
     launcher.join()
     deadline = time.monotonic() + 30
-    while _alive(rank) and time.monotonic() < deadline:
+    while process_alive(rank) and time.monotonic() < deadline:
         time.sleep(0.1)
-    if _alive(rank):
+    if process_alive(rank):
         os.kill(rank, signal.SIGKILL)
         raise AssertionError("the orphaned rank outlived its launcher by 30 s")
 

@@ -27,6 +27,7 @@ import torch
 
 from tests.faults.fault_fit import CULPRIT, SIGNALS, digest
 from tests.faults.matrix import Cell
+from tests.helpers import process_alive
 
 pytestmark = pytest.mark.faults
 
@@ -45,14 +46,6 @@ class Outcome:
     leftovers: list[int]  # PIDs still alive at the deadline (killed by the runner)
     manifest: dict[str, str]
     run_dir: Path
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in ("Z", "X")
 
 
 def _pids(run_dir: Path) -> list[int]:
@@ -83,12 +76,12 @@ def run_cell(cell: Cell, run_dir: Path, timeout_s: float = TIMEOUT_S) -> Outcome
             injected = _injected_at(run_dir)
             if injected is not None:
                 deadline = injected + timeout_s + SLACK_S
-            running = proc.poll() is None or any(_alive(p) for p in _pids(run_dir))
+            running = proc.poll() is None or any(process_alive(p) for p in _pids(run_dir))
             if not running or time.time() > deadline:
                 break
             time.sleep(0.2)
         ended = time.time()
-        leftovers = [p for p in [proc.pid, *_pids(run_dir)] if _alive(p)]
+        leftovers = [p for p in [proc.pid, *_pids(run_dir)] if process_alive(p)]
         for pid in leftovers:
             os.kill(pid, signal.SIGKILL)
         proc.wait()
