@@ -6,9 +6,10 @@ is in :mod:`lightning_hier.strategies._failure`); the multiprocessing start meth
 
 - in each child, the strategy's ``on_exception`` runs before an error propagates (Lightning calls
   it in the main process only), so the failing rank reports and its peers can name it;
-- in the main process, SIGINT and SIGTERM are forwarded to the children. Lightning would catch
-  the ``KeyboardInterrupt`` in the main process only and then wait, at interpreter exit, for
-  children that train on to the end; a SIGTERM would end the main process alone;
+- in the main process, SIGINT and SIGTERM are forwarded to the children (unless the process
+  ignores them). Lightning would catch the ``KeyboardInterrupt`` in the main process only and then
+  wait, at interpreter exit, for children that train on to the end; a SIGTERM would end the main
+  process alone;
 - when the launch ends in any way but success, children still alive after ``grace_s`` get
   SIGKILL and are reaped, and the error names the global rank of the child that failed;
 - the ``pytorch-errorfile-*.pickle`` files in which torch passes a failed child's traceback to
@@ -90,8 +91,9 @@ class _ReportingLauncher(_MultiProcessingLauncher):
         if threading.current_thread() is not threading.main_thread():
             yield  # only the main thread may set handlers; a signal then ends this process only
             return
-        self._handlers = {signum: signal.getsignal(signum) for signum in FORWARDED}
-        for signum in FORWARDED:
+        # a signal this process ignores (SIGINT in a job started with `&` or nohup) stays ignored
+        self._handlers = {s: signal.getsignal(s) for s in FORWARDED if signal.getsignal(s) is not signal.SIG_IGN}
+        for signum in self._handlers:
             signal.signal(signum, self._forward)
         try:
             yield

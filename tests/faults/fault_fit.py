@@ -135,4 +135,6 @@ if __name__ == "__main__":
     if "LOCAL_RANK" not in os.environ:  # the process the test started (popen re-runs this for rank 1)
         (run / "pids").mkdir(parents=True, exist_ok=True)
         (run / "pids" / "main").write_text(str(os.getpid()))
+        # as started from a terminal: a pytest run in the background (`&`) passes SIGINT on ignored
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     main(name, method, fault_name, run, float(timeout_s))
