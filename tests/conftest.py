@@ -16,6 +16,15 @@ SHARED_DATASETS = next(
 )
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--fault-matrix",
+        choices=("subset", "full"),
+        default="subset",
+        help="tests/faults: run a covering subset of the fault-injection matrix (default) or every cell",
+    )
+
+
 @pytest.fixture(autouse=True)
 def _isolated_global_state() -> Iterator[None]:
     """Undo env vars, rank-zero flags and process groups that in-process launchers leave behind."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -38,6 +39,15 @@ def digits_classifier(
 
 def digits(batch_size: int = 32, **kwargs: Any) -> DigitsDataModule:
     return DigitsDataModule(batch_size=batch_size, **kwargs)
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie (from ``/proc``)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
 
 
 def flat_params(module: torch.nn.Module) -> Tensor:

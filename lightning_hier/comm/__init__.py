@@ -16,7 +16,7 @@ from lightning_hier.comm.collectives import (
 )
 from lightning_hier.comm.failures import FailureBoard, is_communication_error
 from lightning_hier.comm.flat import FlatTensors, Segment
-from lightning_hier.comm.p2p import Mailbox, Parcel
+from lightning_hier.comm.p2p import Mailbox, Parcel, PeerError
 from lightning_hier.comm.stats import CommStats
 
 __all__ = [
@@ -25,6 +25,7 @@ __all__ = [
     "FlatTensors",
     "Mailbox",
     "Parcel",
+    "PeerError",
     "Segment",
     "all_reduce_mean_",
     "all_reduce_sum_",

@@ -7,6 +7,7 @@ so algorithm code never reaches for a global default group by accident.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -55,9 +56,29 @@ def all_reduce_sum_async(tensors: Sequence[Tensor], group: Group, stats: CommSta
     return [w for w in works if w is not None]
 
 
-def wait_all(works: Sequence[dist.Work], stats: CommStats | None = None) -> None:
-    """Wait for background collectives, timing the wait as blocked communication."""
-    _wait(list(works), stats)
+def wait_all(works: Sequence[dist.Work], stats: CommStats | None = None, timeout: timedelta | None = None) -> None:
+    """Wait for background collectives, timing the wait as blocked communication.
+
+    Args:
+        works: The handles to wait for.
+        stats: Where the blocked time is counted.
+        timeout: Longest wait for each handle (``None``: the group's own limit). Collectives obey
+            the group's timeout by themselves, but gloo bounds a point-to-point receive by the
+            timeout its group was *created* with (the start-up ``init_timeout``), so point-to-point
+            waits pass the run's ``timeout`` here.
+    """
+    _wait(list(works), stats, timeout)
+
+
+def p2p_wait_limit(group: Group, timeout: timedelta | None) -> timedelta | None:
+    """The limit to pass to :func:`wait_all` for point-to-point operations on ``group``.
+
+    gloo needs ``timeout`` (it would wait for the group's creation-time limit); NCCL's watchdog
+    bounds every operation itself, and a limit there would block the CPU thread until completion.
+    """
+    if timeout is None or dist.get_backend(group) == "nccl":
+        return None
+    return timeout
 
 
 def broadcast_(tensors: Sequence[Tensor], src: int, group: Group, stats: CommStats | None = None) -> None:
@@ -88,13 +109,16 @@ def broadcast_object(obj: Any, src: int = 0, group: Group = None) -> Any:
     return box[0]
 
 
-def _wait(works: Sequence[dist.Work | None], stats: CommStats | None) -> None:
+def _wait(works: Sequence[dist.Work | None], stats: CommStats | None, timeout: timedelta | None = None) -> None:
     if stats is None:
-        for w in works:
-            if w is not None:
-                w.wait()
+        _wait_each(works, timeout)
         return
     with stats.blocked():
-        for w in works:
-            if w is not None:
-                w.wait()
+        _wait_each(works, timeout)
+
+
+def _wait_each(works: Sequence[dist.Work | None], timeout: timedelta | None) -> None:
+    for w in works:
+        if w is not None:
+            # timedelta(0) is torch's "no limit of its own": the group's timeout applies
+            w.wait(timeout if timeout is not None else timedelta(0))

@@ -14,19 +14,26 @@ byte buffer that both sides grow identically:
 So in the steady state a parcel costs one message and no allocation; the buffer only ever grows
 (to the largest parcel seen), and shorter parcels travel padded. All operations of one
 :meth:`Mailbox.exchange` are posted together with ``torch.distributed.batch_isend_irecv``.
+
+Every wait is bounded by the mailbox's ``timeout``: gloo limits a point-to-point operation only by
+the timeout its group was created with (the long start-up one), so a neighbour that hangs would
+otherwise block this rank for that long. A wait that fails raises :class:`PeerError` naming the
+peer that did not answer.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from math import prod
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from typing_extensions import override
 
-from lightning_hier.comm.collectives import wait_all
+from lightning_hier.comm.collectives import p2p_wait_limit, wait_all
 from lightning_hier.comm.stats import CommStats
 
 Group = dist.ProcessGroup | None
@@ -80,6 +87,30 @@ def _layout(tensors: Sequence[Tensor]) -> list[tuple[torch.dtype, tuple[int, ...
             raise ValueError(f"Parcel: tensors may have at most {MAX_DIMS} dimensions, got shape {tuple(t.shape)}.")
         out.append((t.dtype, tuple(t.shape), t.numel() * t.element_size()))
     return out
+
+
+class PeerError(RuntimeError):
+    """A point-to-point message to or from a neighbour did not complete (timed out, or the peer is gone).
+
+    Attributes:
+        peers: Global ranks of the neighbours whose messages were being waited for.
+    """
+
+    def __init__(self, message: str, peers: Sequence[int]) -> None:
+        super().__init__(message)
+        self.peers = tuple(peers)
+
+    @override
+    def __reduce__(self) -> tuple[type[PeerError], tuple[str, tuple[int, ...]]]:
+        return type(self), (str(self), self.peers)  # picklable across processes (its arguments differ)
+
+
+@dataclass(frozen=True)
+class _Op:
+    """What one posted operation is, for the error message when waiting for it fails."""
+
+    what: str  # "send to" / "receive from"
+    peer: int
 
 
 class _Link:
@@ -153,6 +184,8 @@ class Mailbox:
         group: Process group the peers belong to (peers are named by *global* rank).
         device: Where the buffers live (the device of the tensors being sent).
         stats: Communication accounting (payload bytes sent and time blocked waiting).
+        timeout: Longest wait for one message (``None``: the group's own limit, which gloo takes
+            from the group's creation). Ignored with NCCL, whose watchdog bounds every operation.
 
     Example:
         >>> box = Mailbox(group=None, device=torch.device("cpu"))  # doctest: +SKIP
@@ -160,10 +193,13 @@ class Mailbox:
         >>> act_in, labels_in = got[prev].tensors  # doctest: +SKIP
     """
 
-    def __init__(self, group: Group, device: torch.device, stats: CommStats | None = None) -> None:
+    def __init__(
+        self, group: Group, device: torch.device, stats: CommStats | None = None, timeout: timedelta | None = None
+    ) -> None:
         self.group = group
         self.device = device
         self.stats = stats
+        self.timeout = timeout
         self._send: dict[int, _Link] = {}
         self._recv: dict[int, _Link] = {}
 
@@ -187,6 +223,7 @@ class Mailbox:
         :meth:`Posted.wait` returns, the links involved are busy: post nothing else on them.
         """
         ops: list[dist.P2POp] = []
+        labels: list[_Op] = []
         follow: list[dist.P2POp] = []  # posted by wait(), with the peers' follow-up receives
         sent = 0
         for peer, parcel in send.items():
@@ -198,15 +235,17 @@ class Mailbox:
             if parcel is not None:
                 _pack(link.buffer, parcel.tensors)
             ops.append(dist.P2POp(dist.isend, first, peer, self.group))
+            labels.append(_Op("send to", peer))
             if grew:  # the peer reads the header of `first`, grows, then receives the follow-up
                 follow.append(dist.P2POp(dist.isend, link.buffer, peer, self.group))
             sent += first.numel() + (link.buffer.numel() if grew else 0)
         peers = list(recv_from)
         for peer in peers:
             ops.append(dist.P2POp(dist.irecv, self._link(self._recv, peer).buffer, peer, self.group))
+            labels.append(_Op("receive from", peer))
         if self.stats is not None:
             self.stats.add(sent, calls=len(send))
-        return Posted(self, dist.batch_isend_irecv(ops) if ops else [], peers, follow)
+        return Posted(self, dist.batch_isend_irecv(ops) if ops else [], labels, peers, follow)
 
     def send(self, peer: int, parcel: Parcel | None) -> None:
         """Blocking send of one parcel (the peer calls :meth:`recv`)."""
@@ -220,20 +259,48 @@ class Mailbox:
 class Posted:
     """Point-to-point operations of :meth:`Mailbox.post` in flight."""
 
-    def __init__(self, box: Mailbox, works: list[dist.Work], peers: list[int], follow: list[dist.P2POp]) -> None:
-        self._box, self._works, self._peers, self._follow = box, works, peers, follow
+    def __init__(
+        self, box: Mailbox, works: list[dist.Work], labels: list[_Op], peers: list[int], follow: list[dist.P2POp]
+    ) -> None:
+        self._box, self._works, self._labels, self._peers, self._follow = box, works, labels, peers, follow
 
     def wait(self) -> dict[int, Parcel | None]:
-        """Wait for every operation; returns the parcel received from each peer (``None``: empty message)."""
+        """Wait for every operation; returns the parcel received from each peer (``None``: empty message).
+
+        Raises:
+            PeerError: An operation did not complete within the mailbox's ``timeout`` (or its peer
+                is gone); the message names the peer.
+        """
         box = self._box
-        wait_all(self._works, box.stats)
+        self._wait(self._works, self._labels)
         links = {peer: box._recv[peer] for peer in self._peers}
         headers = {peer: link.header.tolist() for peer, link in links.items()}
-        follow = self._follow + [
-            dist.P2POp(dist.irecv, link.buffer, peer, box.group)
-            for peer, link in links.items()
-            if link.grow(headers[peer][3])
-        ]
+        grown = [peer for peer, link in links.items() if link.grow(headers[peer][3])]
+        follow = self._follow + [dist.P2POp(dist.irecv, links[peer].buffer, peer, box.group) for peer in grown]
         if follow:
-            wait_all(dist.batch_isend_irecv(follow), box.stats)
+            labels = [_Op("send to", op.peer) for op in self._follow] + [_Op("receive from", p) for p in grown]
+            self._wait(dist.batch_isend_irecv(follow), labels)
         return {peer: _unpack(link.buffer, headers[peer]) for peer, link in links.items()}
+
+    def _wait(self, works: list[dist.Work], labels: list[_Op]) -> None:
+        box = self._box
+        limit = p2p_wait_limit(box.group, box.timeout)
+        # gloo returns one handle per operation; a backend that coalesces returns fewer
+        pairs = list(zip(works, labels, strict=True)) if len(works) == len(labels) else [(w, None) for w in works]
+        for work, label in pairs:
+            try:
+                wait_all([work], box.stats, limit)
+            except RuntimeError as err:
+                raise _peer_error(err, [label] if label is not None else labels, limit) from err
+
+
+def _peer_error(err: RuntimeError, labels: list[_Op], limit: timedelta | None) -> PeerError:
+    rank = dist.get_rank()
+    what = " and ".join(f"{op.what} rank {op.peer}" for op in labels)
+    waited = f"within {limit.total_seconds():g} s" if limit is not None else "within the group's timeout"
+    peers = sorted({op.peer for op in labels})
+    return PeerError(
+        f"lightning_hier: rank {rank}: a point-to-point message ({what}) did not complete {waited}: "
+        f"rank(s) {peers} did not answer. {str(err).strip().splitlines()[0] if str(err).strip() else repr(err)}",
+        peers,
+    )

@@ -28,7 +28,8 @@ from torch import Tensor
 from torch.autograd import Function
 from typing_extensions import override
 
-from lightning_hier.comm import all_reduce_sum_, payload_bytes
+from lightning_hier.comm import all_reduce_sum_, payload_bytes, wait_all
+from lightning_hier.comm.collectives import p2p_wait_limit
 from lightning_hier.layers.context import GridCommStats, GridContext
 
 
@@ -84,15 +85,8 @@ def exchange(
     ops += [dist.P2POp(dist.irecv, t, peer, group=g.model_group) for t, peer in recvs]
     if not ops:
         return
-    works = dist.batch_isend_irecv(ops)
     stats = g.stats
-    if stats is None:
-        for w in works:
-            w.wait()
-    else:
-        with stats.blocked():
-            for w in works:
-                w.wait()
+    wait_all(dist.batch_isend_irecv(ops), stats, p2p_wait_limit(g.model_group, g.timeout))
     sent = payload_bytes([t for t, _ in sends])
     _record(stats, kind, sent, sent, calls=len(sends))
 

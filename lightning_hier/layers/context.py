@@ -10,6 +10,7 @@ communication, so measured bytes per step can be compared with predicted word co
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import timedelta
 from enum import Enum
 from typing import Any
 
@@ -82,6 +83,8 @@ class GridContext:
         grid_group: All ``pr * pc`` ranks (``None`` when that is 1).
         model_ranks: Global ranks of ``model_group`` ordered by r (halo exchange neighbours).
         stats: Where every collective of the layers records its bytes (optional).
+        timeout: Longest wait for a halo exchange's messages (``None``: the group's own limit,
+            which gloo takes from the group's creation: the start-up ``init_timeout``).
     """
 
     pr: int = 1
@@ -93,6 +96,7 @@ class GridContext:
     grid_group: Group = None
     model_ranks: tuple[int, ...] = (0,)
     stats: GridCommStats | None = None
+    timeout: timedelta | None = None
 
     def __post_init__(self) -> None:
         if self.pr < 1 or self.pc < 1 or not 0 <= self.r < self.pr or not 0 <= self.c < self.pc:
@@ -109,7 +113,9 @@ class GridContext:
                 raise ValueError(f"GridContext: `{name}` must be given exactly when its size is > 1 (size {size}).")
 
     @classmethod
-    def from_groups(cls, groups: Any, stats: GridCommStats | None = None) -> GridContext:
+    def from_groups(
+        cls, groups: Any, stats: GridCommStats | None = None, timeout: timedelta | None = None
+    ) -> GridContext:
         """The context of this rank from :class:`~lightning_hier.topology.ProcessGroups` (``pipe == 1``)."""
         topo = groups.topology
         if topo.pipe != 1:
@@ -124,6 +130,7 @@ class GridContext:
             grid_group=dist.group.WORLD if topo.world_size > 1 else None,
             model_ranks=tuple(topo.group_ranks("model", groups.rank)),
             stats=stats,
+            timeout=timeout,
         )
 
     def __deepcopy__(self, memo: dict[int, Any]) -> GridContext:

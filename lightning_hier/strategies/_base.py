@@ -9,7 +9,8 @@ hooks where it acts:
   ``num_nodes``, and the :class:`~lightning_hier.topology.Topology` that builds every group once;
 - broadcasting rank 0's initial weights, barrier / broadcast / reduce;
 - failure handling: a failing rank reports to the store, peers name it, a watchdog ends ranks
-  left hanging, and popen children are killed (see :mod:`lightning_hier.comm.failures`);
+  left hanging or orphaned, launched ranks are ended, signals are forwarded (see
+  :mod:`lightning_hier.strategies._failure`);
 - checkpoints that hold every rank's model, optimizer, RNG and algorithm state, checked on
   resume (the :class:`~lightning_hier.strategies._checkpointing.CheckpointingStrategy` layer);
 - the *consensus* model (global / center / average): validated during fit, saved as the
@@ -25,8 +26,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
-import uuid
 from contextlib import ExitStack
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -48,15 +47,15 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_hier import _validate as v
-from lightning_hier.comm import CommStats, FailureBoard, broadcast_, broadcast_object
-from lightning_hier.comm.failures import is_communication_error
+from lightning_hier.comm import CommStats, broadcast_, broadcast_object
+from lightning_hier.comm.rendezvous import init_default_group
 from lightning_hier.rng import restore_rng
 from lightning_hier.strategies import _data_position, _finish
 from lightning_hier.strategies._checkpointing import CheckpointingStrategy
 from lightning_hier.strategies._data_position import DataPosition
+from lightning_hier.strategies._failure import FailureHandling
 from lightning_hier.strategies._finish import FinishOnce
 from lightning_hier.strategies._finite import FiniteChecks, warn_if_not_finite
-from lightning_hier.strategies._launchers import _ReportingLauncher
 from lightning_hier.strategies._registry import register_family
 from lightning_hier.topology import ProcessGroups, Topology
 
@@ -72,7 +71,7 @@ START_METHODS = ("popen", "spawn", "fork")
 BACKENDS = (None, "gloo", "nccl", "mpi")
 
 
-class HierStrategy(FinishOnce, FiniteChecks, CheckpointingStrategy):
+class HierStrategy(FinishOnce, FiniteChecks, FailureHandling, CheckpointingStrategy):
     """Base class of the lightning-hier strategies (see the module docstring).
 
     Args:
@@ -119,14 +118,13 @@ class HierStrategy(FinishOnce, FiniteChecks, CheckpointingStrategy):
             precision_plugin=precision_plugin,
         )
         owner = type(self).__name__
-        self._timeout = _check_timeout(owner, "timeout", timeout)
+        self._timeout: timedelta = _check_timeout(owner, "timeout", timeout)
         self._init_timeout = _check_timeout(owner, "init_timeout", init_timeout)
         self._start_method = v.check_choice(owner, "start_method", start_method, START_METHODS)
         self._process_group_backend = v.check_choice(owner, "process_group_backend", process_group_backend, BACKENDS)
         self.check_finite = v.check_bool(owner, "check_finite", check_finite)
         self._num_nodes = 1
         self._groups: ProcessGroups | None = None
-        self._failures: FailureBoard | None = None
         self._restored: dict[str, Any] | None = None
         self._eval_stack: ExitStack | None = None
         self.comm_stats = CommStats()
@@ -203,7 +201,7 @@ class HierStrategy(FinishOnce, FiniteChecks, CheckpointingStrategy):
         if self._start_method == "popen":
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
-            self._launcher = _ReportingLauncher(self, start_method=self._start_method)  # type: ignore[arg-type]
+            self._launcher = self._reporting_launcher(self._start_method)
 
     # ------------------------------------------------------------------ process groups
     @override
@@ -214,11 +212,14 @@ class HierStrategy(FinishOnce, FiniteChecks, CheckpointingStrategy):
         if not dist.is_initialized():
             os.environ["MASTER_ADDR"] = self.cluster_environment.main_address
             os.environ["MASTER_PORT"] = str(self.cluster_environment.main_port)
-            dist.init_process_group(
+            init_default_group(  # its store listens on MASTER_ADDR only, not on every interface
                 self.process_group_backend,
                 rank=self.global_rank,
                 world_size=self.world_size,
+                address=self.cluster_environment.main_address,
+                port=self.cluster_environment.main_port,
                 timeout=self._init_timeout,
+                multi_node=self.num_nodes > 1,
             )
         if self._groups is None:
             self._resolve_layout()
@@ -232,19 +233,6 @@ class HierStrategy(FinishOnce, FiniteChecks, CheckpointingStrategy):
         unique = {id(g): g for g in (dist.group.WORLD, groups.data, groups.pipe, groups.model, groups.node) if g}
         for group in unique.values():
             dist.distributed_c10d._set_pg_timeout(self._timeout, group)
-
-    def _start_failure_board(self) -> None:
-        if self._failures is None:
-            token = broadcast_object(uuid.uuid4().hex if self.global_rank == 0 else None, 0, dist.group.WORLD)
-            grace = min(3.0, self._timeout.total_seconds() / 4)
-            self._failures = FailureBoard(
-                dist.distributed_c10d._get_default_store(),
-                self.global_rank,
-                self.world_size,
-                prefix=f"lightning_hier/{token}",
-                grace_s=grace,
-            )
-        self._failures.start_watchdog()
 
     # ------------------------------------------------------------------ set-up of the model
     @override
@@ -371,21 +359,8 @@ class HierStrategy(FinishOnce, FiniteChecks, CheckpointingStrategy):
         warn_if_not_finite(self.lightning_module, type(self).__name__, self.global_rank)
 
     @override
-    def on_exception(self, exception: BaseException) -> None:
-        board = self._failures
-        if board is not None:
-            board.report(f"{type(exception).__name__}: {_first_line(exception)}")
-            if is_communication_error(exception):
-                _append_message(exception, board.describe(board.wait_for_reports()))
-            board.stop_watchdog()
-        launcher = self.launcher
-        if isinstance(launcher, _SubprocessScriptLauncher):
-            launcher.kill(signal.SIGKILL)  # children blocked in collectives never see SIGTERM
-
-    @override
     def teardown(self) -> None:
-        if self._failures is not None:
-            self._failures.stop_watchdog()
+        self._stop_failure_board()
         # keep the process group alive (as DDP does): trainer.save_checkpoint() after fit needs it
         super().teardown()
 
@@ -428,16 +403,3 @@ MAX_TIMEOUT_S = 7 * 24 * 3600.0
 def _check_timeout(owner: str, name: str, value: float | timedelta) -> timedelta:
     seconds = value.total_seconds() if isinstance(value, timedelta) else value
     return timedelta(seconds=v.check_float(owner, name, seconds, low=MIN_TIMEOUT_S, high=MAX_TIMEOUT_S))
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0][:500] if text else repr(exc)
-
-
-def _append_message(exc: BaseException, note: str) -> None:
-    """Append ``note`` to the exception's message (kept in ``str(exc)`` and in tracebacks)."""
-    if exc.args and isinstance(exc.args[0], str):
-        exc.args = (f"{exc.args[0]}\n{note}", *exc.args[1:])
-    elif hasattr(exc, "add_note"):  # Python >= 3.11
-        exc.add_note(note)

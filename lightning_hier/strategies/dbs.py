@@ -44,8 +44,9 @@ from lightning_hier import _validate as v
 from lightning_hier.algorithms.dbs import TIMERS, DynamicBatchSize, check_initial_sizes, check_split
 from lightning_hier.algorithms.dbs_sampler import dynamic_batch_loader
 from lightning_hier.callbacks.dbs import DBSCallback
-from lightning_hier.strategies._base import HierStrategy, _ReportingLauncher
+from lightning_hier.strategies._base import HierStrategy
 from lightning_hier.strategies._buckets import bucket_arguments, check_bucket_options
+from lightning_hier.strategies._launchers import _ReportingLauncher
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -173,7 +174,7 @@ class DBSStrategy(HierStrategy):
         if isinstance(self._launcher, _SubprocessScriptLauncher):
             self._launcher = _CheckedScriptLauncher(self, self.cluster_environment, self.num_processes, self.num_nodes)
         else:
-            self._launcher = _CheckedLauncher(self, start_method=self._start_method)  # type: ignore[arg-type]
+            self._launcher = self._reporting_launcher(self._start_method, _CheckedLauncher)
 
     def _fixed_global_batch(self) -> tuple[int, str] | None:
         """The global batch set by the arguments and where it came from (``None``: from the loader)."""

@@ -303,6 +303,7 @@ class DecoupledStrategy(HierStrategy):
             loss_fn=self._loss_fn(module, coords.pipe == self.num_stages - 1),
             stats=self.comm_stats,
             check_gradients=self._check_stage_gradients if self.check_finite else None,
+            timeout=self._timeout,  # gloo bounds point-to-point waits by init_timeout otherwise
         )
 
     def _check_stage_gradients(self, grads: list[Tensor]) -> None:

@@ -37,7 +37,8 @@ from lightning_hier.layers import (
 from lightning_hier.planner import Link, Links, best_grid, format_table, measure_links, model_layers, plan_grids
 from lightning_hier.rng import capture_rng, restore_rng
 from lightning_hier.strategies import _checkpoint as ckpt
-from lightning_hier.strategies._base import HierStrategy, _ReportingLauncher
+from lightning_hier.strategies._base import HierStrategy
+from lightning_hier.strategies._launchers import _ReportingLauncher
 from lightning_hier.strategies._user_model import (
     defines_forward,
     describe,
@@ -221,12 +222,12 @@ class Grid2DStrategy(HierStrategy):
         if self._grid != (1, self.world_size):
             self._groups = self.topology.build(self.global_rank, timeout=self._init_timeout)
             self._set_collective_timeout()
-            self.grid_context = GridContext.from_groups(self.groups, self.grid_stats)
+            self.grid_context = GridContext.from_groups(self.groups, self.grid_stats, self._timeout)
 
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        self.grid_context = GridContext.from_groups(self.groups, self.grid_stats)
+        self.grid_context = GridContext.from_groups(self.groups, self.grid_stats, self._timeout)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -362,7 +363,7 @@ class Grid2DStrategy(HierStrategy):
     def _configure_launcher(self) -> None:
         super()._configure_launcher()
         if isinstance(self._launcher, _ReportingLauncher):
-            self._launcher = _GridLauncher(self, start_method=self._start_method)  # type: ignore[arg-type]
+            self._launcher = self._reporting_launcher(self._start_method, _GridLauncher)
 
 
 class _GridLauncher(_ReportingLauncher):

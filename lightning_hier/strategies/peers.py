@@ -27,11 +27,17 @@ One addition to torch's behaviour: post-local SGD leaves the replicas apart for 
 after the last optimizer step, like the averaging strategies of this package). User
 ``on_train_end`` hooks, checkpoints after fit and the model ``fit()`` returns are then one model,
 the same on every rank.
+
+Failures are handled as in every strategy of this package
+(:mod:`lightning_hier.strategies._failure`): the failing rank is named, a watchdog ends ranks left
+hanging or orphaned, the fork / spawn launcher forwards SIGINT and SIGTERM to the ranks, and the
+rendezvous store listens on ``MASTER_ADDR`` only.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -39,6 +45,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, post_localSGD_hook, powerSGD_hook
 from torch.nn import Module
@@ -47,9 +54,11 @@ from typing_extensions import override
 
 from lightning_hier import _validate as v
 from lightning_hier.comm import all_reduce_mean_
+from lightning_hier.comm.rendezvous import init_default_group
 from lightning_hier.strategies import _finish
-from lightning_hier.strategies._base import BACKENDS, DEFAULT_TIMEOUT_S, _check_timeout
+from lightning_hier.strategies._base import BACKENDS, DEFAULT_INIT_TIMEOUT_S, DEFAULT_TIMEOUT_S, _check_timeout
 from lightning_hier.strategies._buckets import check_bucket_mb
+from lightning_hier.strategies._failure import FailureHandling
 from lightning_hier.strategies._finish import FinishOnce
 from lightning_hier.strategies._finite import FiniteChecks
 from lightning_hier.strategies._registry import register_family
@@ -71,7 +80,7 @@ MIN_WARMUP = {"post_local_sgd": 0, "powersgd": 2}
 _SET_BY_HOOK = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper")
 
 
-class DDPCommHookStrategy(FinishOnce, FiniteChecks, DDPStrategy):
+class DDPCommHookStrategy(FinishOnce, FiniteChecks, FailureHandling, DDPStrategy):
     """Lightning's DDP with a torch communication hook (PostLocalSGD, PowerSGD or fp16), on any device.
 
     Args:
@@ -84,7 +93,9 @@ class DDPCommHookStrategy(FinishOnce, FiniteChecks, DDPStrategy):
         bucket_cap_mb: DDP's bucket size in MiB, >= 0.001 (``None``: DDP's default, 25). For ``powersgd``
             without NCCL, ``None`` sizes one bucket to hold the whole model, and a smaller value
             fails when the model is wrapped.
-        timeout: Seconds (or a ``timedelta``) a collective may wait before the run fails.
+        timeout: Seconds (or a ``timedelta``) a collective may wait before the run fails. The
+            start-up rendezvous waits at least the default ``init_timeout`` of the other
+            strategies (600 s): ranks start seconds apart (a popen rank imports Lightning first).
         start_method: ``'popen'`` (Lightning's default; torchrun/SLURM), ``'spawn'``, ``'fork'``
             or ``'forkserver'``.
         process_group_backend: ``None`` (gloo on CPU, NCCL on GPU), ``'gloo'``, ``'nccl'`` or ``'mpi'``.
@@ -148,6 +159,44 @@ class DDPCommHookStrategy(FinishOnce, FiniteChecks, DDPStrategy):
                 strategy_registry, cls, name, f"DDP with torch's {hook} communication hook, on any device", hook=hook
             )
 
+    # ------------------------------------------------------------------ processes and failures
+    @override
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        if isinstance(self._launcher, _MultiProcessingLauncher):
+            self._launcher = self._reporting_launcher(self._start_method)
+
+    @override
+    def setup_distributed(self) -> None:
+        if not dist.is_initialized():  # Lightning's own set-up then finds the group and only adds its settings
+            self.set_world_ranks()
+            env = self.cluster_environment
+            assert env is not None
+            os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = env.main_address, str(env.main_port)
+            timeout = self._timeout or timedelta(seconds=DEFAULT_TIMEOUT_S)
+            init_default_group(  # its store listens on MASTER_ADDR only, not on every interface
+                self._get_process_group_backend(),
+                rank=self.global_rank,
+                world_size=self.world_size,
+                address=env.main_address,
+                port=env.main_port,
+                timeout=max(timeout, timedelta(seconds=DEFAULT_INIT_TIMEOUT_S)),
+                multi_node=self.num_nodes > 1,
+            )
+            dist.distributed_c10d._set_pg_timeout(timeout, dist.group.WORLD)  # start-up is over
+        super().setup_distributed()
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self._start_failure_board()
+
+    @override
+    def teardown(self) -> None:
+        self._stop_failure_board()
+        super().teardown()
+
+    # ------------------------------------------------------------------ the DDP wrapper and its hook
     @override
     def _setup_model(self, model: Module) -> DistributedDataParallel:
         if self.hook == "powersgd" and dist.get_backend() != "nccl":

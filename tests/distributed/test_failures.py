@@ -4,6 +4,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from functools import partial
 from pathlib import Path
@@ -45,7 +46,8 @@ def test_hung_rank_fails_the_fit_within_the_timeout_and_is_named():
 
 
 @pytest.mark.parametrize("mode", ["raise", "hang"])
-def test_fork_launcher_fails_fast_and_leaves_no_orphans(mode):
+def test_fork_launcher_fails_fast_and_leaves_no_orphans_or_files(mode, tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where torch puts the children's error files
     # children this test did not start (multiprocessing's resource tracker after an earlier
     # spawn test) are not orphans of this fit
     before = set(_children(os.getpid()))
@@ -54,9 +56,11 @@ def test_fork_launcher_fails_fast_and_leaves_no_orphans(mode):
         fit(mode, start_method="fork", timeout=4.0)
     elapsed = time.monotonic() - start
     assert re.search(r"rank one broke|No failure report from rank\(s\) \[1\]", str(info.value)), str(info.value)
+    assert re.search(r"lightning_hier: rank [01] (raised|exited|was killed)", str(info.value)), str(info.value)
     assert elapsed < 30, f"took {elapsed:.1f} s"
     time.sleep(0.5)
     assert set(_children(os.getpid())) - before == set()
+    assert list(tmp_path.iterdir()) == []  # no pytorch-errorfile-*.pickle left behind
 
 
 @pytest.mark.parametrize("mode", ["raise", "hang"])

@@ -1,11 +1,18 @@
 """Parcels between neighbours: shapes and dtypes unknown to the receiver, growth, empty messages."""
 
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from functools import partial
+
 import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_hier.comm import CommStats, Mailbox, Parcel
+from lightning_hier.comm import CommStats, Mailbox, Parcel, PeerError
 from lightning_hier.comm.p2p import HEADER_BYTES
+from lightning_hier.layers.collectives import exchange
+from lightning_hier.layers.context import GridContext
 from lightning_hier.testing import run_workers
 
 ROWS = [4, 4, 7, 2, 0, 9, 3]  # 0: an empty message
@@ -62,3 +69,42 @@ def test_unsupported_parcels_fail_before_sending():
         box.exchange({1: Parcel((torch.zeros(2, dtype=torch.complex64),))}, ())
     with pytest.raises(ValueError, match="at most 3 tensors"):
         box.exchange({1: Parcel(tuple(torch.zeros(1) for _ in range(4)))}, ())
+
+
+def _mailbox_receive() -> None:
+    Mailbox(None, torch.device("cpu"), CommStats(), timeout=timedelta(seconds=1)).recv(1)
+
+
+def _halo_receive() -> None:
+    grid = GridContext(pr=2, model_group=dist.group.WORLD, model_ranks=(0, 1), timeout=timedelta(seconds=1))
+    exchange([], [(torch.empty(4), 1)], grid, "halo")
+
+
+def _silent_neighbour(receive: Callable[[], None]) -> tuple[BaseException, float] | None:
+    # the group's own limit is long (as after start-up with init_timeout); the receive's is 1 s
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    store = dist.distributed_c10d._get_default_store()
+    if dist.get_rank() == 1:  # alive, but never sends: a hung neighbour
+        store.wait(["done"], timedelta(seconds=120))
+        return None
+    start = time.monotonic()
+    try:
+        receive()
+    except RuntimeError as err:
+        return err, time.monotonic() - start
+    finally:
+        store.set("done", "1")
+    return None
+
+
+def test_a_silent_neighbour_fails_the_mailbox_within_its_timeout_and_is_named():
+    err, waited = run_workers(partial(_silent_neighbour, _mailbox_receive), devices=2, timeout=90)[0]
+    assert isinstance(err, PeerError) and err.peers == (1,)
+    assert "rank 0" in str(err) and "receive from rank 1" in str(err) and "rank(s) [1] did not answer" in str(err)
+    assert waited < 30, f"waited {waited:.1f} s for a 1 s timeout"
+
+
+def test_a_silent_neighbour_fails_a_grid_halo_exchange_within_its_timeout():
+    err, waited = run_workers(partial(_silent_neighbour, _halo_receive), devices=2, timeout=90)[0]
+    assert "timed out" in str(err).lower()
+    assert waited < 30, f"waited {waited:.1f} s for a 1 s timeout"

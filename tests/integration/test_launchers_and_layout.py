@@ -1,5 +1,8 @@
 """Registry names, the three launchers, simulated multi-node layouts and argument checks."""
 
+import os
+import signal
+
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -118,3 +121,23 @@ def test_package_import_registers_names():
 
     lightning_hier.register_all()  # idempotent
     assert {"localsgd", "localsgd_spawn", "localsgd_fork"} <= set(StrategyRegistry)
+
+
+class _SignalMainProcess(pl.Callback):
+    """Rank 0 sends SIGINT to the main process (its parent, with fork) at the second step."""
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: object) -> None:
+        if trainer.global_rank == 0 and trainer.global_step == 1:
+            os.kill(os.getppid(), signal.SIGINT)
+
+
+def test_a_signal_the_main_process_ignores_is_not_forwarded():
+    # a job started with `&` or nohup ignores SIGINT; the fork launcher keeps it that way
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        t = trainer(strategy="localsgd_fork", max_steps=4, callbacks=[_SignalMainProcess()])
+        t.fit(digits_classifier(), datamodule=digits(batch_size=64))
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert t.state.finished  # trained to max_steps; a forwarded SIGINT would have interrupted it

@@ -30,6 +30,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -87,6 +88,9 @@ class DecoupledPipeline:
         stats: Communication accounting.
         check_gradients: Called with the stage's gradients of every update, before they are
             averaged over the data-parallel replicas (the strategy's ``check_finite`` guard).
+        timeout: Longest wait for a neighbour's message (``None``: the pipe group's own limit; with
+            gloo that is the timeout the group was created with). A neighbour that does not answer
+            in time raises :class:`~lightning_hier.comm.PeerError` naming it.
 
     Example (plain loop on each rank; every stage of a replica iterates the same loader)::
 
@@ -114,6 +118,7 @@ class DecoupledPipeline:
         loss_fn: LossFn | None = None,
         stats: CommStats | None = None,
         check_gradients: Callable[[list[Tensor]], None] | None = None,
+        timeout: timedelta | None = None,
     ) -> None:
         self.schedule = Schedule(schedule, len(stage_ranks))
         if not 0 <= stage_index < len(stage_ranks):
@@ -128,7 +133,7 @@ class DecoupledPipeline:
         self.stats = stats if stats is not None else CommStats()
         self.check_gradients = check_gradients
         self.runner = StageRunner(stage, weights)
-        self.mail = Mailbox(pipe_group, self.runner.device, self.stats)
+        self.mail = Mailbox(pipe_group, self.runner.device, self.stats, timeout)
         self._eval_mail: dict[bool, Mailbox] = {}
         self._pipe_group = pipe_group
         self.fifo: deque[InFlight] = deque()
@@ -313,9 +318,8 @@ class DecoupledPipeline:
         Every stage of the replica returns the last stage's output. Call it on all stages of the
         replica together (in evaluation mode for BatchNorm and dropout).
         """
-        mail = self._eval_mail.setdefault(
-            torch.is_inference_mode_enabled(), Mailbox(self._pipe_group, self.runner.device, self.stats)
-        )
+        box = Mailbox(self._pipe_group, self.runner.device, self.stats, self.mail.timeout)
+        mail = self._eval_mail.setdefault(torch.is_inference_mode_enabled(), box)
         hidden = inputs if self.first else _received(mail.recv(self.ranks[self.k - 1]))
         output = self.runner.module(hidden)
         if not self.last:

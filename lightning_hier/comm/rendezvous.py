@@ -1,0 +1,87 @@
+"""Start the default process group with a store that listens only where the ranks connect.
+
+``torch.distributed.init_process_group`` with ``MASTER_ADDR`` / ``MASTER_PORT`` makes rank 0 host
+the rendezvous store on *every* interface of its machine, whatever ``MASTER_ADDR`` says: with
+``MASTER_ADDR=127.0.0.1`` anyone who can reach the machine can read and write the job's keys.
+:func:`init_default_group` hands the store a socket bound to ``MASTER_ADDR`` itself
+(``TCPStore(master_listen_fd=...)``), so a single-machine job listens on loopback only and a
+multi-node job on the interface the other nodes use.
+
+One exception keeps torch's behaviour: a multi-node job whose ``MASTER_ADDR`` resolves to a loopback
+address on rank 0 (a host name that ``/etc/hosts`` maps to ``127.0.1.1``, while the other nodes
+resolve it through DNS). Those nodes reach rank 0 on some other interface, which only a socket on
+all interfaces serves. A store hosted by torchrun's agent (``TORCHELASTIC_USE_AGENT_STORE``) is
+the agent's business: the ranks then join with torch's own rendezvous.
+
+Example::
+
+    init_default_group("gloo", rank=rank, world_size=2, address="127.0.0.1", port=29500,
+                       timeout=timedelta(seconds=600), multi_node=False)
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+from datetime import timedelta
+
+import torch.distributed as dist
+
+
+def init_default_group(
+    backend: str, *, rank: int, world_size: int, address: str, port: int, timeout: timedelta, multi_node: bool
+) -> None:
+    """``init_process_group`` whose store, hosted by rank 0, listens on ``address`` only.
+
+    Args:
+        backend: ``'gloo'``, ``'nccl'`` or ``'mpi'``.
+        rank: This process's global rank.
+        world_size: Number of ranks.
+        address: ``MASTER_ADDR``: where rank 0 hosts the store and the other ranks connect.
+        port: ``MASTER_PORT``.
+        timeout: The start-up timeout (the store's and the group's).
+        multi_node: Whether ranks run on other machines (see the module docstring).
+
+    Raises:
+        OSError: Rank 0 cannot listen on ``address:port`` (not an address of this machine, or
+            the port is taken).
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
+        return
+    if rank == 0:
+        listener = _listen(address, port, multi_node)
+        store = dist.TCPStore(
+            address,
+            port,
+            world_size,
+            is_master=True,
+            timeout=timeout,
+            wait_for_workers=False,
+            master_listen_fd=listener.detach(),  # the store owns the socket from now on
+        )
+    else:
+        store = dist.TCPStore(address, port, world_size, is_master=False, timeout=timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+
+
+def _listen(address: str, port: int, multi_node: bool) -> socket.socket:
+    family, _, _, _, sockaddr = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)[0]
+    if multi_node and ipaddress.ip_address(sockaddr[0]).is_loopback:
+        family, sockaddr = socket.AF_INET6, ("::", port)  # torch's own choice (see the module docstring)
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6 and sockaddr[0] == "::":
+            listener.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)  # and IPv4 on the same socket
+        listener.bind(sockaddr)
+        listener.listen(socket.SOMAXCONN)
+    except OSError as err:
+        listener.close()
+        raise OSError(
+            err.errno,
+            f"lightning_hier: rank 0 cannot host the rendezvous store on MASTER_ADDR={address!r}, "
+            f"MASTER_PORT={port}: {err.strerror}",
+        ) from err
+    return listener

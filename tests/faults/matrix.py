@@ -1,0 +1,36 @@
+"""The cells of the fault-injection matrix: strategy family x start method x fault."""
+
+from __future__ import annotations
+
+from itertools import product
+from typing import NamedTuple
+
+from tests.faults.fault_fit import FAULTS
+
+FAMILIES = ("mgrawa", "hpsgd", "dbs", "decoupled", "grid2d", "ddp_post_local_sgd")
+"""One strategy per family (mgrawa stands for the averaging family: localsgd, easgd, lsgd, grawa)."""
+START_METHODS = ("fork", "popen")
+
+
+class Cell(NamedTuple):
+    strategy: str
+    start_method: str
+    fault: str
+
+    @property
+    def id(self) -> str:
+        return f"{self.strategy}-{self.start_method}-{self.fault}"
+
+
+FULL = [Cell(*c) for c in product(FAMILIES, START_METHODS, FAULTS)]
+
+# Every family, every fault and both start methods at least once, in about 3 minutes on 2 cores.
+SUBSET = [
+    Cell("decoupled", "fork", "hang"),
+    Cell("mgrawa", "popen", "kill0"),
+    Cell("hpsgd", "fork", "sigint"),
+    Cell("dbs", "popen", "sigterm"),
+    Cell("grid2d", "fork", "kill1"),
+    Cell("ddp_post_local_sgd", "fork", "raise"),
+    Cell("mgrawa", "fork", "kill_save"),
+]
