@@ -53,6 +53,13 @@ def digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def publish(path: Path, text: str) -> None:
+    """Write ``path`` whole or not at all: the test polls these files while the run writes them."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # the test reads only the final names
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 class _KillWhenPickled:
     """Put into a checkpoint: the writing process gets SIGKILL while the file is being written."""
 
@@ -74,7 +81,7 @@ class InjectFault(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         pids = self.run_dir / "pids"
         pids.mkdir(exist_ok=True)
-        (pids / f"rank{trainer.global_rank}").write_text(str(os.getpid()))
+        publish(pids / f"rank{trainer.global_rank}", str(os.getpid()))
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
         if trainer.global_step != FAULT_STEP:
@@ -83,10 +90,10 @@ class InjectFault(Callback):
         if rank == 0:
             ckpts = sorted((self.run_dir / "ckpt").glob("*.ckpt"))
             manifest = {p.name: digest(p) for p in ckpts}
-            (self.run_dir / "manifest.json").write_text(json.dumps(manifest))
+            publish(self.run_dir / "manifest.json", json.dumps(manifest))
         # when the fault was injected (the run must end within `timeout` + 30 s of it); not printed, so
         # the run's output names a rank only where the library does
-        (self.run_dir / f"injected{rank}").write_text(repr(time.time()))
+        publish(self.run_dir / f"injected{rank}", repr(time.time()))
         if self.fault == "raise" and rank == 1:
             raise RuntimeError("injected fault")  # the library, not this message, must name the rank
         if self.fault in ("hang", "kill0_hang1") and rank == 1:
@@ -134,7 +141,7 @@ if __name__ == "__main__":
     run = Path(directory)
     if "LOCAL_RANK" not in os.environ:  # the process the test started (popen re-runs this for rank 1)
         (run / "pids").mkdir(parents=True, exist_ok=True)
-        (run / "pids" / "main").write_text(str(os.getpid()))
+        publish(run / "pids" / "main", str(os.getpid()))
         # as started from a terminal: a pytest run in the background (`&`) passes SIGINT on ignored
         signal.signal(signal.SIGINT, signal.default_int_handler)
     main(name, method, fault_name, run, float(timeout_s))

@@ -49,11 +49,11 @@ class Outcome:
 
 
 def _pids(run_dir: Path) -> list[int]:
-    return [int(p.read_text()) for p in sorted((run_dir / "pids").glob("*")) if p.read_text().strip()]
+    return [int(p.read_text()) for p in sorted((run_dir / "pids").glob("[mr]*"))]  # main, rank<r>
 
 
 def _injected_at(run_dir: Path) -> float | None:
-    times = [float(p.read_text()) for p in run_dir.glob("injected*")]
+    times = [float(p.read_text()) for p in run_dir.glob("injected[0-9]")]
     return min(times) if times else None
 
 
