@@ -12,10 +12,11 @@ is plain, so both are unit-tested.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+
+from lightning_hier._pids import pid_exists
 
 PREFIX = "lhb"
 """First part of every namespace and cgroup name the harness makes: ``lhb-<pid of the run>-...``."""
@@ -46,13 +47,7 @@ def owner_alive(name: str, prefix: str = PREFIX) -> bool:
     parts = name.split("-")
     if len(parts) < 3 or parts[0] != prefix or not parts[1].isdigit():
         return True  # not a name this harness makes: never touch it
-    try:
-        os.kill(int(parts[1]), 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return pid_exists(int(parts[1]))
 
 
 def of_dead_runs(names: Iterable[str], prefix: str = PREFIX) -> tuple[str, ...]:

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from lightning_hier._pids import pid_exists
 from lightning_hier.strategies._checkpoint import CheckpointError
 
 _TEMP_MARK = "lhtmp"
@@ -72,7 +73,7 @@ def remove_stale_temporaries(directory: str | Path) -> list[Path]:
         if match is None or match["host"] != host:
             continue
         pid = int(match["pid"])
-        if pid != me and not _alive(pid):
+        if pid != me and not pid_exists(pid):
             try:
                 entry.unlink()
             except OSError:  # removed by another run first, or not ours to remove: never fail a save for it
@@ -130,16 +131,6 @@ def _summary(exc: BaseException) -> str:
 def _host() -> str:
     # the temporary file's name must match _TEMP_NAME: letters, digits and underscores only
     return re.sub(r"[^A-Za-z0-9_]", "_", socket.gethostname())
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by another user
-        return True
-    return True
 
 
 def _plain_file_mode() -> int:
