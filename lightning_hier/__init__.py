@@ -39,6 +39,7 @@ _LIGHTNING_ERROR = _import_lightning()
 if TYPE_CHECKING or _LIGHTNING_ERROR is None:
     from lightning_hier.strategies import (
         STRATEGIES,
+        AsgdStrategy,
         CheckpointError,
         DBSStrategy,
         DDPCommHookStrategy,
@@ -51,6 +52,7 @@ if TYPE_CHECKING or _LIGHTNING_ERROR is None:
         LocalSGDStrategy,
         LsgdStrategy,
         NonFiniteError,
+        SoftsyncStrategy,
         register_all,
     )
 
@@ -76,6 +78,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "STRATEGIES",
+    "AsgdStrategy",
     "CheckpointError",
     "DBSStrategy",
     "DDPCommHookStrategy",
@@ -88,6 +91,7 @@ __all__ = [
     "LocalSGDStrategy",
     "LsgdStrategy",
     "NonFiniteError",
+    "SoftsyncStrategy",
     "Topology",
     "__version__",
 ]

@@ -11,6 +11,7 @@ from lightning_hier.strategies.decoupled import DecoupledStrategy
 from lightning_hier.strategies.grawa import GrawaStrategy
 from lightning_hier.strategies.grid2d import Grid2DStrategy
 from lightning_hier.strategies.hpsgd import HPSGDStrategy
+from lightning_hier.strategies.param_server import AsgdStrategy, ParameterServerWorker, SoftsyncStrategy
 from lightning_hier.strategies.peers import DDPCommHookStrategy
 
 STRATEGIES: tuple[type[HierStrategy], ...] = (
@@ -22,6 +23,8 @@ STRATEGIES: tuple[type[HierStrategy], ...] = (
     DBSStrategy,
     DecoupledStrategy,
     Grid2DStrategy,
+    AsgdStrategy,
+    SoftsyncStrategy,
 )
 
 
@@ -38,6 +41,7 @@ def register_all() -> None:
 
 __all__ = [
     "STRATEGIES",
+    "AsgdStrategy",
     "AveragingStrategy",
     "CheckpointError",
     "DBSStrategy",
@@ -51,5 +55,7 @@ __all__ = [
     "LocalSGDStrategy",
     "LsgdStrategy",
     "NonFiniteError",
+    "ParameterServerWorker",
+    "SoftsyncStrategy",
     "register_all",
 ]

@@ -29,6 +29,8 @@ NAMES = (
     "dbs",
     "decoupled",
     "grid2d",
+    "asgd",
+    "softsync",
     "ddp_post_local_sgd",
     "ddp_powersgd",
     "ddp_fp16",
