@@ -9,13 +9,16 @@ Transport, decided (see ``docs/algorithms.md``, "Asynchronous training"): ``torc
 point-to-point messages (:mod:`lightning_hier.comm.ps_wire`) on a *dedicated* process group that
 only the server and the remote workers' clients use, so the serving threads never share a group
 with the training thread's collectives. One receiving thread per remote worker waits for that
-worker's next request (each worker's messages, both ways, carry its rank as their tag: a gloo
-group is not safe for concurrent operations on one tag from several threads) (a receive from a known source has a finite timeout naming the rank,
-which gloo's any-source receive could not give per worker) and posts it to one queue; the
-serving thread applies it and sends the replies. ``torch.distributed.rpc`` was the alternative:
-it brings its own agent, thread pool and timeouts outside the process group, cannot share the
-strategies' rendezvous and failure reporting, and its TensorPipe agent is another dependency to
-configure per cluster; plain point-to-point keeps one mechanism for every strategy here.
+worker's next request and posts it to one queue; the serving thread applies it and sends the
+replies. Each worker's messages, both ways, carry its rank as their tag (a gloo group is not safe
+for concurrent operations on one tag from several threads). The serving thread measures each
+worker's silence since its last reply and fails the run naming the worker that exceeds
+``timeout``; a receive does not time out on its own, because a gloo receive that times out closes
+its connection and fails the neighbouring workers' receives too, which would blame the wrong rank.
+``torch.distributed.rpc`` was the alternative: it brings its own agent, thread pool and timeouts
+outside the process group, cannot share the strategies' rendezvous and failure reporting, and its
+TensorPipe agent is another dependency to configure per cluster; plain point-to-point keeps one
+mechanism for every strategy here.
 
 The worker on the server's rank calls the server in-process (:class:`LocalClient`): no network
 round trip to itself. Remote workers use :class:`RemoteClient`. Both give a :class:`Worker` its
