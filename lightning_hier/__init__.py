@@ -40,6 +40,7 @@ if TYPE_CHECKING or _LIGHTNING_ERROR is None:
     from lightning_hier.strategies import (
         STRATEGIES,
         AsgdStrategy,
+        AsyncDBSStrategy,
         CheckpointError,
         DBSStrategy,
         DDPCommHookStrategy,
@@ -79,6 +80,7 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "STRATEGIES",
     "AsgdStrategy",
+    "AsyncDBSStrategy",
     "CheckpointError",
     "DBSStrategy",
     "DDPCommHookStrategy",

@@ -207,6 +207,11 @@ class DynamicBatchSize:
         # another share (the last, smaller batch after full ones) rescales its loss to match
         self._loss_scale = share / self._window_weight if self._window_weight else 0.0
 
+    @property
+    def step_share(self) -> float:
+        """``b_w / B`` of the current step (the weight of this rank's gradient; 0 without samples)."""
+        return self._window_weight or 0.0
+
     def loss_scale(self) -> float:
         """Factor for the loss of the current micro-batch before its backward.
 

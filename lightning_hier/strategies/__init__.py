@@ -7,6 +7,7 @@ from lightning_hier.strategies._checkpoint import CheckpointError
 from lightning_hier.strategies._finite import NonFiniteError
 from lightning_hier.strategies.averaging import AveragingStrategy, EasgdStrategy, LocalSGDStrategy, LsgdStrategy
 from lightning_hier.strategies.dbs import DBSStrategy
+from lightning_hier.strategies.dbs_async import AsyncDBSStrategy
 from lightning_hier.strategies.decoupled import DecoupledStrategy
 from lightning_hier.strategies.grawa import GrawaStrategy
 from lightning_hier.strategies.grid2d import Grid2DStrategy
@@ -25,6 +26,7 @@ STRATEGIES: tuple[type[HierStrategy], ...] = (
     Grid2DStrategy,
     AsgdStrategy,
     SoftsyncStrategy,
+    AsyncDBSStrategy,
 )
 
 

@@ -33,7 +33,7 @@ from torch.optim import Optimizer
 from lightning_hier.algorithms.param_server import PUSH, Handler, ServerCore
 from lightning_hier.algorithms.ps_rules import FlatModel
 from lightning_hier.algorithms.ps_service import ParameterServer, Worker, connect
-from lightning_hier.comm import broadcast_
+from lightning_hier.comm import CommStats, broadcast_
 
 HandlerFactory = Callable[[FlatModel, int], Handler]
 """Builds the update rule from the server's model and the number of workers."""
@@ -70,6 +70,8 @@ class PSAdapter:
         rank: This global rank.
         world: Number of ranks (every rank is a worker).
         timeout: See :class:`~lightning_hier.algorithms.ps_service.ParameterServer`.
+        stats: Communication accounting: bytes pushed, and the wait for each reply counted as
+            blocked time (so DBS's speed measurement leaves it out).
     """
 
     def __init__(
@@ -81,8 +83,10 @@ class PSAdapter:
         rank: int,
         world: int,
         timeout: timedelta,
+        stats: CommStats | None = None,
     ) -> None:
         self.module, self.optimizer = module, optimizer
+        self.comm_stats = stats if stats is not None else CommStats()
         self.params = list(module.parameters())
         self.rank, self.world, self.group, self.timeout = rank, world, group, timeout
         self.server: ParameterServer | None = None
@@ -131,7 +135,29 @@ class PSAdapter:
             flat.mul_(weight)
         if self.server is not None:
             self._follow_learning_rate()
-        self._load(self.worker.call(PUSH, [flat.cpu()], batch_size=batch_size)[0])
+        self.comm_stats.add(flat.numel() * flat.element_size())
+        with self.comm_stats.blocked():
+            reply = self.worker.call(PUSH, [flat.cpu()], batch_size=batch_size)[0]
+        self._load(reply)
+
+    def step_through_server(self, optimizer: Optimizer, run_step: Callable[[], Any], push: Callable[[], None]) -> Any:
+        """Run Lightning's optimizer step ``run_step`` with ``optimizer.step`` replaced by closure + ``push``.
+
+        Lightning's closure (forward, backward, clipping: all it does before ``optimizer.step``)
+        runs as usual; the server, not this rank, updates the model.
+        """
+
+        def push_instead_of_step(closure: Callable[[], Any] | None = None, **_: Any) -> Any:
+            assert closure is not None
+            loss = closure()
+            push()
+            return loss
+
+        optimizer.step = push_instead_of_step  # type: ignore[method-assign]
+        try:
+            return run_step()
+        finally:
+            del optimizer.step  # the class's step again
 
     def _follow_learning_rate(self) -> None:
         assert self.server is not None and self._model is not None

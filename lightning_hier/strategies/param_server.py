@@ -61,7 +61,14 @@ class ParameterServerWorker(HierStrategy):
             self._service_group = self.topology.build_service_group(self._timeout)
         module: nn.Module = self.lightning_module  # type: ignore[assignment]
         self.ps = PSAdapter(
-            module, optimizer, self._handler(), self._service_group, self.global_rank, self.world_size, self._timeout
+            module,
+            optimizer,
+            self._handler(),
+            self._service_group,
+            self.global_rank,
+            self.world_size,
+            self._timeout,
+            self.comm_stats,
         )
 
     @override
@@ -75,21 +82,18 @@ class ParameterServerWorker(HierStrategy):
 
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        return self._step_through_server(
+            optimizer, lambda: super(ParameterServerWorker, self).optimizer_step(optimizer, closure, model, **kwargs)
+        )
+
+    def _step_through_server(self, optimizer: Optimizer, run_step: Callable[[], Any]) -> Any:
         ps = self.ps
         assert ps is not None
-
-        def push_instead_of_step(closure: Callable[[], Any] | None = None, **_: Any) -> Any:
-            # Lightning's closure ran forward, backward and clipping; the server, not this rank, updates
-            assert closure is not None
-            loss = closure()
-            ps.push(self._push_weight(), self._batch_samples)
-            return loss
-
-        optimizer.step = push_instead_of_step  # type: ignore[method-assign]
         try:
-            output = super().optimizer_step(optimizer, closure, model, **kwargs)
+            output = ps.step_through_server(
+                optimizer, run_step, lambda: ps.push(self._push_weight(), self._batch_samples)
+            )
         finally:
-            del optimizer.step  # the class's step again
             self._batch_samples = 0
         self._log(ps.stats())
         return output

@@ -31,6 +31,7 @@ NAMES = (
     "grid2d",
     "asgd",
     "softsync",
+    "dbs_async",
     "ddp_post_local_sgd",
     "ddp_powersgd",
     "ddp_fp16",
