@@ -19,7 +19,8 @@ samples left at the end of an epoch form one smaller global batch, split by the 
 (``r_w``, a rank may get 0) and weighted ``r_w / R``, so that step too equals single-process SGD on
 those ``R`` samples. The data side is in
 :mod:`lightning_hier.algorithms.dbs_sampler`. The asynchronous parameter-server form of the 2019
-paper is not implemented (it would need ``torch.distributed.rpc``).
+paper is ``dbs_async`` (:mod:`lightning_hier.strategies.dbs_async`), over
+:mod:`lightning_hier.algorithms.param_server`.
 
 Pure torch: usable from a plain training loop::
 
