@@ -7,8 +7,9 @@ from typing import NamedTuple
 
 from tests.faults.fault_fit import FAULTS
 
-FAMILIES = ("mgrawa", "hpsgd", "dbs", "decoupled", "grid2d", "ddp_post_local_sgd")
-"""One strategy per family (mgrawa stands for the averaging family: localsgd, easgd, lsgd, grawa)."""
+FAMILIES = ("mgrawa", "hpsgd", "dbs", "decoupled", "grid2d", "ddp_post_local_sgd", "asgd")
+"""One strategy per family (mgrawa stands for the averaging family: localsgd, easgd, lsgd, grawa;
+asgd for the parameter-server family: softsync, dbs_async)."""
 START_METHODS = ("fork", "popen")
 
 
@@ -33,4 +34,5 @@ SUBSET = [
     Cell("grid2d", "fork", "kill1"),
     Cell("ddp_post_local_sgd", "fork", "raise"),
     Cell("mgrawa", "fork", "kill_save"),
+    Cell("asgd", "fork", "hang"),
 ]
