@@ -52,7 +52,8 @@ class Workload:
         buffers: Float buffers (BatchNorm statistics, words) averaged with the parameters.
         tensors: Parameter tensors (LGRAWA sends one weight per tensor).
         blocks: Per-block costs for the pipeline (empty: the pipeline cannot be predicted).
-        layers_of: ``(model name, input shape, classes)`` for the grid's layer list, or None.
+        model: How to rebuild the network for the grid's layer list: ``{"spec": name or
+            "package.module:factory", "input_shape": [...], "classes": n, "args": {...}}``, or None.
         word_bytes: Bytes per word (4 for float32).
     """
 
@@ -66,7 +67,7 @@ class Workload:
     buffers: int = 0
     tensors: int = 1
     blocks: tuple[Block, ...] = ()
-    layers_of: tuple[str, tuple[int, ...], int] | None = None
+    model: dict[str, Any] | None = None
     word_bytes: int = 4
 
     def __post_init__(self) -> None:
@@ -97,9 +98,6 @@ class Workload:
     def from_dict(cls, data: dict[str, Any]) -> Workload:
         data = dict(data)
         data["blocks"] = tuple(Block(**b) for b in data.get("blocks", ()))
-        layers_of = data.get("layers_of")
-        if layers_of is not None:
-            data["layers_of"] = (str(layers_of[0]), tuple(int(d) for d in layers_of[1]), int(layers_of[2]))
         return cls(**data)
 
     @classmethod
