@@ -9,6 +9,7 @@ another one is more than ``tolerance`` faster.
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
@@ -101,6 +102,12 @@ def crossover(results: dict[int, dict[str, Prediction]], strategy: str, baseline
     return None
 
 
+def _crossing_text(count: int | None, smallest: int) -> str:
+    if count is None:
+        return "never"
+    return f"<= {count}" if count == smallest else str(count)  # already faster at the smallest count swept
+
+
 def _args_text(p: Prediction) -> str:
     shown = {k: v for k, v in p.args.items() if k in ("window", "tau", "pipe", "grid")}
     return ",".join(f"{k}={'x'.join(map(str, v)) if isinstance(v, tuple) else v}" for k, v in shown.items())
@@ -119,7 +126,7 @@ def format_sweep(results: dict[int, dict[str, Prediction]], title: str) -> str:
             cells.append(
                 "-" if p is None else f"{p.samples_per_s:,.0f}" + (f" ({_args_text(p)})" if _args_text(p) else "")
             )
-        cross = "-" if name == "ddp" else (str(crossover(results, name)) if crossover(results, name) else "never")
+        cross = "-" if name == "ddp" else _crossing_text(crossover(results, name), counts[0])
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {cross} |")
     picks = [recommend(results[w]) for w in counts]
     lines.append("| **recommended** | " + " | ".join(f"{p.strategy} {_args_text(p)}".strip() for p in picks) + " | |")
@@ -159,7 +166,7 @@ def plot_sweep(results: dict[int, dict[str, Prediction]], title: str, path: str)
     ax.set_yscale("log")
     ax.set_xlabel("workers")
     ax.set_ylabel("predicted samples/s")
-    ax.set_title(title, fontsize=9)
+    ax.set_title(textwrap.fill(title, 90), fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
