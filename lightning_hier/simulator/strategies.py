@@ -112,11 +112,21 @@ def _buffer_bytes(workload: Workload, sync_buffers: bool) -> int:
     return workload.buffers * workload.word_bytes if sync_buffers else 0
 
 
-def _sync(
-    name: str, workload: Workload, cluster: Cluster, args: dict[str, Any], period: int, work: list[float], comm: Comm
+def _periodic(
+    name: str,
+    workload: Workload,
+    cluster: Cluster,
+    args: dict[str, Any],
+    period: int,
+    elapsed: float,
+    busy: float,
+    comm: Comm,
+    staleness: float,
 ) -> Prediction:
-    """``period`` steps of compute (``work``: each worker's seconds for them), then a blocking ``comm``."""
-    elapsed = max(work) + comm.time_s
+    """A strategy that repeats ``period`` steps taking ``elapsed`` seconds, ``comm`` once per repetition.
+
+    ``busy`` is the least loaded worker's own work in a repetition (the rest it waits).
+    """
     return Prediction(
         name,
         args,
@@ -126,10 +136,18 @@ def _sync(
         steps_per_epoch=_steps_per_epoch(workload, cluster.workers),
         wire_bytes=comm.wire_bytes / period,
         payload_bytes=comm.payload_bytes / period,
-        blocked_s=(elapsed - min(work)) / period,
-        staleness=float(period - 1),
+        blocked_s=max(0.0, elapsed - busy) / period,
+        staleness=staleness,
         detail={"round_comm_s": comm.time_s, "round_payload_bytes": comm.payload_bytes},
     )
+
+
+def _sync(
+    name: str, workload: Workload, cluster: Cluster, args: dict[str, Any], period: int, work: list[float], comm: Comm
+) -> Prediction:
+    """``period`` steps of compute (``work``: each worker's seconds for them), then a blocking ``comm``."""
+    elapsed = max(work) + comm.time_s
+    return _periodic(name, workload, cluster, args, period, elapsed, min(work), comm, float(period - 1))
 
 
 # ---------------------------------------------------------------------------- the strategies
@@ -185,19 +203,7 @@ def hpsgd(
     period, _ = overlapped(window * max(work), comm, cluster)
     fastest = window * min(work) + cluster.cpu_s_per_byte * comm.wire_bytes
     args = {"window": window, "compression": compression, "sync_buffers": sync_buffers}
-    return Prediction(
-        "hpsgd",
-        args,
-        cluster.workers,
-        step_s=period / window,
-        samples_per_step=workload.batch_size * cluster.workers,
-        steps_per_epoch=_steps_per_epoch(workload, cluster.workers),
-        wire_bytes=comm.wire_bytes / window,
-        payload_bytes=comm.payload_bytes / window,
-        blocked_s=max(0.0, period - fastest) / window,
-        staleness=float(window),
-        detail={"window_comm_s": comm.time_s, "window_payload_bytes": comm.payload_bytes},
-    )
+    return _periodic("hpsgd", workload, cluster, args, window, period, fastest, comm, float(window))
 
 
 def _round(workload: Workload, cluster: Cluster, sync_buffers: bool, center: Comm) -> Comm:
