@@ -15,7 +15,8 @@ Calibration, all from the same invocation (nothing is fitted to the run being pr
 - bytes per epoch: the model's wire bytes plus :data:`HEADERS` (TCP/IP framing), plus the
   ``no-comm`` run's bytes per epoch that were not its validation consensus (rendezvous store,
   metric syncs), plus one consensus all-reduce per epoch for the strategies whose validation needs
-  one (HPSGD always; the averaging family when an epoch does not end on a round).
+  one (HPSGD always; the averaging family when an epoch does not end on a round); the payload
+  column (what ``CommStats`` counted over the fit) includes that consensus too.
 
 Runs the model does not cover in the report print ``-``: DDP's communication-hook peers, and the
 pipeline and grid runs (they need per-block costs or the layer list; use
@@ -95,15 +96,14 @@ def _fixed_bytes_per_epoch(reference: dict[str, Any]) -> float:
     return max(0.0, float(reference["bytes_per_epoch"]) - consensus)  # at 2 ranks an all-reduce sends its payload
 
 
-def _validation_bytes(p: Prediction, run: dict[str, Any]) -> float:
-    """Wire bytes of one consensus all-reduce per epoch where the strategy's validation needs one."""
+def _validation_payload(p: Prediction, run: dict[str, Any]) -> float:
+    """Payload bytes of one consensus collective per epoch where the strategy's validation needs one."""
     per_epoch = run["steps"] / run["epochs"]
     needs = p.strategy == "hpsgd" or ("tau" in p.args and per_epoch % int(p.args["tau"]) != 0)
     if not needs:
         return 0.0
-    params = float((run.get("model") or {}).get("parameters") or 0)
     word = 2 if p.args.get("compression") == "bf16" else 4
-    return 2 * (p.workers - 1) / p.workers * word * params
+    return word * float((run.get("model") or {}).get("parameters") or 0)
 
 
 def _error(predicted: float, measured: float | None) -> str:
@@ -128,8 +128,10 @@ def predicted_table(result: dict[str, Any], world: int) -> str:
         if label == NO_COMM:  # the calibration run itself
             lines.append(f"| {label} | {run['samples_per_s']:.0f} | calibration |" + " - |" * 7)
             continue
-        wire = (p.wire_bytes_per_epoch + _validation_bytes(p, run)) * (1 + HEADERS) + overhead
-        payload = p.payload_bytes * run["steps"]
+        validation = _validation_payload(p, run)  # its wire bytes: as an all-reduce (LSGD: a broadcast)
+        share = (p.workers - 1) / p.workers * (1 if p.strategy == "lsgd" else 2)
+        wire = (p.wire_bytes_per_epoch + share * validation) * (1 + HEADERS) + overhead
+        payload = p.payload_bytes * run["steps"] + validation * run["epochs"]
         measured_payload = run["payload_bytes"][0] if run.get("payload_bytes") else None
         rate = run["samples_per_s"]
         lines.append(

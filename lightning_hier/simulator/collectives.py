@@ -11,7 +11,8 @@ all-reduce, ring       ``2 (p-1) alpha + 2 (p-1)/p n b``      ``2 (p-1)/p n``
 all-reduce, tree       ``2 ceil(lg p) (alpha + n b)``         ``2 (p-1)/p n`` (mean)
 all-reduce, h/d        ``2 ceil(lg p) alpha + 2 (p-1)/p n b`` ``2 (p-1)/p n``
 broadcast, tree        ``ceil(lg p) (alpha + n b)``           ``(p-1)/p n`` (mean)
-broadcast, ring / h/d  scatter + all-gather:                  ``2 (p-1)/p n`` (mean)
+broadcast, ring        pipelined chain: ``(p-1) alpha + n b`` ``(p-1)/p n`` (mean)
+broadcast, h/d         scatter + all-gather:                  ``2 (p-1)/p n`` (mean)
                        ``(ceil(lg p) + p-1) alpha + 2 (p-1)/p n b``
 point-to-point         ``alpha + n b``                        ``n`` (the sender)
 =====================  =====================================  =======================
@@ -81,6 +82,8 @@ def broadcast(nbytes: float, p: int, cluster: Cluster) -> Comm:
     a, b, share = cluster.link.alpha, cluster.byte_s, (p - 1) / p * nbytes
     if cluster.algorithm == "tree":
         return Comm(_lg(p) * (a + nbytes * b), share, nbytes, 1)
+    if cluster.algorithm == "ring":  # pipelined along the chain: every worker but the last forwards n
+        return Comm((p - 1) * a + nbytes * b, share, nbytes, 1)
     return Comm((_lg(p) + p - 1) * a + 2 * share * b, 2 * share, nbytes, 1)
 
 

@@ -74,7 +74,10 @@ def test_broadcast_and_point_to_point():
     c = Cluster(8, LINK, "tree")
     assert broadcast(1e6, 8, c).time_s == pytest.approx(3 * (ALPHA + 1e6 * BYTE_S))
     ring = Cluster(8, LINK, "ring")
-    assert broadcast(1e6, 8, ring).time_s == pytest.approx((3 + 7) * ALPHA + 2 * 7 / 8 * 1e6 * BYTE_S)
+    assert broadcast(1e6, 8, ring).time_s == pytest.approx(7 * ALPHA + 1e6 * BYTE_S)
+    assert broadcast(1e6, 8, ring).wire_bytes == pytest.approx(7 / 8 * 1e6)  # every worker but the last forwards it
+    hd = Cluster(8, LINK, "halving_doubling")
+    assert broadcast(1e6, 8, hd).time_s == pytest.approx((3 + 7) * ALPHA + 2 * 7 / 8 * 1e6 * BYTE_S)
     assert p2p(1e6, ring).time_s == pytest.approx(ALPHA + 1e6 * BYTE_S)
     assert all_reduce(1e6, 1, ring).time_s == 0.0
 
