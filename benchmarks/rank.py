@@ -160,6 +160,9 @@ def _measurements(trainer: pl.Trainer, recorder: Recorder, cfg: Any, callbacks: 
         "peak_rss_mb": peak_rss_mb(),
         "strategy_config": OmegaConf.to_container(cfg.strategy, resolve=True),
         "parameters": sum(p.numel() for p in trainer.lightning_module.parameters()),
+        # the simulator's inputs (benchmarks/predicted.py): BatchNorm statistics travel with the parameters
+        "float_buffers": sum(b.numel() for b in trainer.lightning_module.buffers() if b.is_floating_point()),
+        "tensors": sum(1 for _ in trainer.lightning_module.parameters()),
     }
 
 

@@ -14,6 +14,7 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from benchmarks.predicted import predicted_table
 from benchmarks.scenarios import BASELINE, NO_COMM, Scenario, Target, Workload
 
 if TYPE_CHECKING:
@@ -59,6 +60,7 @@ def summarize(scenario: Scenario, job: JobResult) -> dict[str, Any]:
         "straggler_slept_s": max(float(r.get("straggler_slept_s", 0.0)) for r in ranks),
         "strategy_metrics": ranks[0].get("strategy_metrics", {}),
         "cores": job.cores,
+        "model": {key: ranks[0].get(key) for key in ("parameters", "float_buffers", "tensors")},
     }
 
 
@@ -258,6 +260,13 @@ def workload_section(workload: Workload, result: dict[str, Any], meta: dict[str,
             f"`{NO_COMM}`: the same compute without communication (Local SGD with tau = 10^9), the throughput "
             "limit; its accuracy is that of replicas averaged once at the end, not a baseline.",
         ]
+    parts += [
+        "",
+        "Predicted by the simulator (`lightning_hier.simulator`, calibrated on this invocation's `no-comm` run; "
+        "`benchmarks/predicted.py` lists the assumptions):",
+        "",
+        predicted_table(result, int(own.get("ranks", 2))),
+    ]
     if plot:
         parts += ["", f"![{workload.name}]({plot})"]
     return "\n".join(parts)

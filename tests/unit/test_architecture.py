@@ -8,7 +8,18 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "lightning_hier"
-PURE = ["comm", "algorithms", "layers", "planner", "topology.py", "rng.py", "resumable.py", "_validate.py", "_pids.py"]
+PURE = [
+    "comm",
+    "algorithms",
+    "layers",
+    "planner",
+    "simulator",
+    "topology.py",
+    "rng.py",
+    "resumable.py",
+    "_validate.py",
+    "_pids.py",
+]
 HYDRA_FREE = ["comm", "algorithms", "strategies", "callbacks", "data", "models", "layers", "planner", "testing"]
 HYDRA_FREE += ["__init__.py", "summary.py", "cli.py"]  # only train.py (with conf/ and recipes/) knows Hydra
 

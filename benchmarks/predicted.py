@@ -1,0 +1,171 @@
+"""The simulator's prediction beside every measured run: samples/s, bytes per epoch, payload.
+
+``python -m benchmarks.predicted [results.json] [--logs-root DIR]`` prints the table of every
+workload; :func:`predicted_table` is what the report appends to each workload's section.
+
+Calibration, all from the same invocation (nothing is fitted to the run being predicted):
+
+- compute per step: the ``no-comm`` run's training time per step (same model, data, batch and
+  straggler; the straggler's factor divides it back to the nominal worker); forward : backward
+  is taken as 1 : 2 (it only matters for DDP's overlap);
+- link: the tc rate times :data:`EFFICIENCY` (944 Mbit/s measured by a socket test through the
+  1 Gbit/s tbf link, docs/lightning.md section 10); ``unlimited``: the 7.9 Gbit/s measured there;
+- :data:`CPU_S_PER_BYTE`: gloo's reduction and copies on the rank's one core, fitted once on
+  ``hpsgd_mlp`` (HPSGD, window 4, 1 Gbit/s) and kept for every run;
+- bytes per epoch: the model's wire bytes plus :data:`HEADERS` (TCP/IP framing), plus the
+  ``no-comm`` run's bytes per epoch that were not its validation consensus (rendezvous store,
+  metric syncs), plus one consensus all-reduce per epoch for the strategies whose validation needs
+  one (HPSGD always; the averaging family when an epoch does not end on a round); the payload
+  column (what ``CommStats`` counted over the fit) includes that consensus too.
+
+Runs the model does not cover in the report print ``-``: DDP's communication-hook peers, and the
+pipeline and grid runs (they need per-block costs or the layer list; use
+``python -m lightning_hier.simulator``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from lightning_hier.simulator import Cluster, Prediction, Workload, one_straggler, parse_link, predict
+from lightning_hier.simulator.strategies import MODELS
+
+EFFICIENCY = 0.944
+UNLIMITED_BITS = 7.9e9
+CPU_S_PER_BYTE = 3e-9
+HEADERS = 0.002  # TCP/IP headers: veth offloads segmentation, so segments are ~64 KB
+NO_COMM = "no-comm"
+UNMODELLED = ("decoupled", "grid2d")
+
+
+def _cluster(link: str, world: int, straggler: dict[str, Any] | None) -> Cluster:
+    rate = parse_link(link, efficiency=EFFICIENCY) if link != "unlimited" else parse_link(f"{UNLIMITED_BITS / 1e9}gbit")
+    speeds = one_straggler(world, float(straggler["factor"])) if straggler else ()
+    return Cluster(world, rate, "ring", speeds, cpu_s_per_byte=CPU_S_PER_BYTE)
+
+
+def _workload(name: str, run: dict[str, Any], reference: dict[str, Any], world: int, factor: float) -> Workload | None:
+    model = run.get("model") or reference.get("model") or {}
+    if not model.get("parameters") or not run.get("steps") or not reference.get("steps"):
+        return None
+    batch = round(run["samples"] / run["steps"] / world)
+    sample_s = reference["train_s"] / reference["steps"] / factor / batch
+    return Workload(
+        name,
+        params=int(model["parameters"]),
+        batch_size=batch,
+        samples_per_epoch=round(run["samples"] / run["epochs"]),
+        forward_s=sample_s / 3,
+        backward_s=2 * sample_s / 3,
+        buffers=int(model.get("float_buffers") or 0),
+        tensors=int(model.get("tensors") or 1),
+    )
+
+
+def _arguments(strategy: str, config: dict[str, Any] | None) -> dict[str, Any]:
+    accepted = set(inspect.signature(MODELS[strategy]).parameters) - {"workload", "cluster"}
+    return {k: v for k, v in (config or {}).items() if k in accepted}
+
+
+def predict_run(label: str, run: dict[str, Any], result: dict[str, Any], world: int) -> Prediction | None:
+    """The simulator's prediction of one measured run (None: not modelled, or no calibration)."""
+    reference = result["runs"].get(NO_COMM)
+    strategy = "no-comm" if label == NO_COMM else run.get("strategy", "")
+    if reference is None or "error" in reference or "error" in run or strategy not in MODELS or strategy in UNMODELLED:
+        return None
+    straggler = result.get("straggler")
+    factor = float(straggler["factor"]) if straggler else 1.0
+    workload = _workload(label, run, reference, world, factor)
+    if workload is None:
+        return None
+    cluster = _cluster(str(result.get("link", "1gbit")), world, straggler)
+    args = {} if strategy == "no-comm" else _arguments(strategy, run.get("strategy_config"))
+    return predict(strategy, workload, cluster, **args)
+
+
+def _fixed_bytes_per_epoch(reference: dict[str, Any]) -> float:
+    """The ``no-comm`` run's bytes per epoch that are neither training nor its validation consensus."""
+    if not reference.get("bytes_per_epoch"):
+        return 0.0
+    consensus = reference["payload_bytes"][0] / reference["epochs"] if reference.get("payload_bytes") else 0.0
+    return max(0.0, float(reference["bytes_per_epoch"]) - consensus)  # at 2 ranks an all-reduce sends its payload
+
+
+def _validation_payload(p: Prediction, run: dict[str, Any]) -> float:
+    """Payload bytes of one consensus collective per epoch where the strategy's validation needs one."""
+    per_epoch = run["steps"] / run["epochs"]
+    needs = p.strategy == "hpsgd" or ("tau" in p.args and per_epoch % int(p.args["tau"]) != 0)
+    if not needs:
+        return 0.0
+    word = 2 if p.args.get("compression") == "bf16" else 4
+    return word * float((run.get("model") or {}).get("parameters") or 0)
+
+
+def _error(predicted: float, measured: float | None) -> str:
+    if measured is None or not measured or math.isnan(measured):
+        return "-"
+    return f"{100 * (predicted - measured) / measured:+.0f}%"
+
+
+def predicted_table(result: dict[str, Any], world: int) -> str:
+    """Markdown: measured and predicted samples/s, MB/epoch/rank and payload per run, with the errors."""
+    overhead = _fixed_bytes_per_epoch(result["runs"].get(NO_COMM, {}))
+    lines = [
+        "| run | samples/s | predicted | error | MB/epoch/rank | predicted | error | payload MB/rank | predicted "
+        "| error |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for label, run in result["runs"].items():
+        p = predict_run(label, run, result, world)
+        if p is None:
+            lines.append(f"| {label} | {run.get('samples_per_s', math.nan):.0f} |" + " - |" * 8)
+            continue
+        if label == NO_COMM:  # the calibration run itself
+            lines.append(f"| {label} | {run['samples_per_s']:.0f} | calibration |" + " - |" * 7)
+            continue
+        validation = _validation_payload(p, run)  # its wire bytes: as an all-reduce (LSGD: a broadcast)
+        share = (p.workers - 1) / p.workers * (1 if p.strategy == "lsgd" else 2)
+        wire = (p.wire_bytes_per_epoch + share * validation) * (1 + HEADERS) + overhead
+        payload = p.payload_bytes * run["steps"] + validation * run["epochs"]
+        measured_payload = run["payload_bytes"][0] if run.get("payload_bytes") else None
+        rate = run["samples_per_s"]
+        lines.append(
+            f"| {label} | {rate:.0f} | {p.samples_per_s:.0f} | {_error(p.samples_per_s, rate)} "
+            f"| {run['bytes_per_epoch'] / 1e6:.1f} | {wire / 1e6:.1f} | {_error(wire, run['bytes_per_epoch'])} "
+            f"| {'-' if measured_payload is None else f'{measured_payload / 1e6:.1f}'} | {payload / 1e6:.1f} "
+            f"| {_error(payload, measured_payload)} |"
+        )
+    return "\n".join(lines)
+
+
+def _fill_models(results: dict[str, Any], logs_root: Path) -> None:
+    """Results written before runs recorded their model: read the counts from the rank logs."""
+    for name, result in results["workloads"].items():
+        logs = result.get("meta", results["meta"]).get("logs")
+        for label, run in result["runs"].items():
+            rank0 = logs_root / str(logs) / name / f"{label}-0" / "rank0.json"
+            if not run.get("model") and logs and rank0.exists():
+                data = json.loads(rank0.read_text())
+                run["model"] = {k: data.get(k) for k in ("parameters", "float_buffers", "tensors")}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.predicted", description=__doc__)
+    parser.add_argument("results", nargs="?", default="benchmarks/results/results.json")
+    parser.add_argument("--logs-root", default=".", help="where the results' `logs` paths start (older results)")
+    args = parser.parse_args(argv)
+    results = json.loads(Path(args.results).read_text())
+    _fill_models(results, Path(args.logs_root))
+    for name, result in results["workloads"].items():
+        world = int(result.get("meta", results["meta"]).get("ranks", 2))
+        print(f"\n### {name}: {world} ranks, {result.get('link')} links\n\n{predicted_table(result, world)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,375 @@
+"""Per-strategy predictions: time per step and epoch, bytes per worker, blocked time, staleness.
+
+Each model follows its algorithm module's communication pattern (what is sent per round, how
+often, what overlaps). ``t_w = (b * (forward + backward) + step) / s_w`` is worker ``w``'s compute
+per optimizer step (``b`` its batch, ``s_w`` its speed); synchronous collectives wait for the
+slowest worker. Collective costs come from :mod:`lightning_hier.simulator.collectives`.
+
+============  =====================================================================================
+strategy      per optimizer step (``P`` parameter bytes, ``F`` float-buffer bytes, ``W`` workers)
+============  =====================================================================================
+no-comm       ``max_w t_w``: the compute-only bound (Local SGD with an infinite period)
+ddp           all-reduce of ``P`` in DDP's buckets (first 1 MiB, then ``bucket_mb``) behind the
+              backward; the last bucket (the first layers' gradients) is ready only at its end;
+              ``F`` broadcast before every forward (``broadcast_buffers``)
+hpsgd         every ``window`` steps one all-reduce of ``P`` (bf16: ``P / 2``) + ``F``, hidden
+              behind the next window: ``max(H t + cpu cost, all-reduce) / H``; staleness ``H``
+localsgd      every ``tau`` steps a blocking all-reduce of ``P`` + ``F`` + the 8-byte consensus distance
+easgd         as localsgd (the center is the mean of the replicas)
+lsgd          as localsgd, with the leader's replica *broadcast* after an all-reduce of ``W`` losses
+mgrawa        as localsgd + an all-reduce of the ``W x 2`` float64 score table (``lgrawa``:
+lgrawa        ``W x (tensors + 1)``) + the norm probe: one more forward and backward per round
+              (``probe='step'``: none)
+dbs           batch shares proportional to speed (every worker's step takes ``B c / sum s``), then
+              a blocking all-reduce of ``P`` + ``F``; every ``rebalance_every`` steps a ``W x 4``
+              float64 table
+decoupled     ``N x K``: stages cut from the workload's blocks (balanced as the strategy does);
+              an iteration is the slowest stage's compute with its point-to-point activations and
+              gradients behind it, then its gradient all-reduce over the ``N`` replicas;
+              ``schedule='sync'`` serialises the stages; staleness ``2 (K - 1)`` (``ddg``: ``K - 1``)
+grid2d        the planner's alpha-beta cost of the ``Pr x Pc`` grid (blocking), compute ``B c / W``
+============  =====================================================================================
+
+Assumptions (docs: README, "Predicting performance"): steady state (start-up, the first
+windows, DBS's warm-up and end-of-fit rounds are left out of the per-step numbers); compute does
+not depend on the batch split beyond being linear in samples; all links are equal (no node
+hierarchy); the asynchronous strategies (ASGD, soft-sync, asynchronous GRAWA) are not modelled yet.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from lightning_hier.planner.cost import Layer, network_cost
+from lightning_hier.simulator.collectives import NONE, Comm, all_reduce, broadcast, overlapped, p2p
+from lightning_hier.simulator.inputs import Cluster, Workload, split_blocks
+
+MiB = 2**20
+FLOAT64 = 8
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What one strategy is predicted to do on one cluster, per optimizer step unless named otherwise.
+
+    Attributes:
+        strategy: Registry name.
+        args: The strategy's arguments that the prediction used.
+        workers: Ranks.
+        step_s: Seconds per optimizer step (iteration, for the pipeline).
+        samples_per_step: Training samples all replicas consume per step.
+        steps_per_epoch: Steps of one epoch (the pipeline's drain included).
+        wire_bytes: Bytes each worker sends per step (mean over workers).
+        payload_bytes: Bytes each worker hands to collectives per step (what ``CommStats`` counts).
+        blocked_s: Seconds per step the least loaded worker waits (communication and slower peers).
+        staleness: Steps between a change and its arrival in every replica (0: synchronous).
+        detail: Extra numbers (per-round costs, the chosen grid, ...).
+    """
+
+    strategy: str
+    args: dict[str, Any]
+    workers: int
+    step_s: float
+    samples_per_step: float
+    steps_per_epoch: float
+    wire_bytes: float
+    payload_bytes: float
+    blocked_s: float
+    staleness: float = 0.0
+    detail: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.samples_per_step / self.step_s if self.step_s > 0 else float("inf")
+
+    @property
+    def epoch_s(self) -> float:
+        return self.steps_per_epoch * self.step_s
+
+    @property
+    def wire_bytes_per_epoch(self) -> float:
+        return self.wire_bytes * self.steps_per_epoch
+
+    @property
+    def payload_bytes_per_epoch(self) -> float:
+        return self.payload_bytes * self.steps_per_epoch
+
+
+# ---------------------------------------------------------------------------- shared pieces
+def compute_s(workload: Workload, cluster: Cluster, samples: Sequence[float] | None = None) -> list[float]:
+    """Each worker's compute seconds per step (``samples``: per-worker batch, default the workload's)."""
+    batch = samples if samples is not None else [workload.batch_size] * cluster.workers
+    return [(b * workload.sample_s + workload.step_s) / s for b, s in zip(batch, cluster.speed_list, strict=True)]
+
+
+def _steps_per_epoch(workload: Workload, replicas: int) -> float:
+    return max(1, workload.samples_per_epoch // (workload.batch_size * replicas))
+
+
+def _buffer_bytes(workload: Workload, sync_buffers: bool) -> int:
+    return workload.buffers * workload.word_bytes if sync_buffers else 0
+
+
+def _periodic(
+    name: str,
+    workload: Workload,
+    cluster: Cluster,
+    args: dict[str, Any],
+    period: int,
+    elapsed: float,
+    busy: float,
+    comm: Comm,
+    staleness: float,
+) -> Prediction:
+    """A strategy that repeats ``period`` steps taking ``elapsed`` seconds, ``comm`` once per repetition.
+
+    ``busy`` is the least loaded worker's own work in a repetition (the rest it waits).
+    """
+    return Prediction(
+        name,
+        args,
+        cluster.workers,
+        step_s=elapsed / period,
+        samples_per_step=workload.batch_size * cluster.workers,
+        steps_per_epoch=_steps_per_epoch(workload, cluster.workers),
+        wire_bytes=comm.wire_bytes / period,
+        payload_bytes=comm.payload_bytes / period,
+        blocked_s=max(0.0, elapsed - busy) / period,
+        staleness=staleness,
+        detail={"round_comm_s": comm.time_s, "round_payload_bytes": comm.payload_bytes},
+    )
+
+
+def _sync(
+    name: str, workload: Workload, cluster: Cluster, args: dict[str, Any], period: int, work: list[float], comm: Comm
+) -> Prediction:
+    """``period`` steps of compute (``work``: each worker's seconds for them), then a blocking ``comm``."""
+    elapsed = max(work) + comm.time_s
+    return _periodic(name, workload, cluster, args, period, elapsed, min(work), comm, float(period - 1))
+
+
+# ---------------------------------------------------------------------------- the strategies
+def no_comm(workload: Workload, cluster: Cluster) -> Prediction:
+    """Compute only: every worker trains alone (the throughput bound of any strategy)."""
+    return _sync("no-comm", workload, cluster, {}, 1, compute_s(workload, cluster), NONE)
+
+
+def ddp_buckets(nbytes: int, bucket_mb: float = 25.0) -> list[float]:
+    """DDP's gradient buckets in reduction order: 1 MiB first, then ``bucket_mb`` MiB (whole tensors ignored)."""
+    sizes, left, cap = [], float(nbytes), float(MiB)
+    while left > 0:
+        sizes.append(min(cap, left))
+        left -= sizes[-1]
+        cap = bucket_mb * MiB
+    return sizes
+
+
+def ddp(workload: Workload, cluster: Cluster, bucket_mb: float = 25.0) -> Prediction:
+    """Lightning's DDP: bucketed gradient all-reduce overlapped with the backward."""
+    p, speed = cluster.workers, min(cluster.speed_list)
+    buckets = [all_reduce(n, p, cluster) for n in ddp_buckets(workload.param_bytes, bucket_mb)]
+    early = sum(buckets[:-1], NONE)
+    last = buckets[-1] if buckets else NONE
+    buffers = broadcast(workload.buffers * workload.word_bytes, p, cluster)
+    b = workload.batch_size
+    backward, blocked_early = overlapped(b * workload.backward_s / speed, early, cluster)
+    slowest = b * workload.forward_s / speed + backward + workload.step_s / speed
+    step = slowest + last.time_s + buffers.time_s
+    comm = early + last + buffers
+    fastest = min(compute_s(workload, cluster))
+    return Prediction(
+        "ddp",
+        {"bucket_mb": bucket_mb},
+        p,
+        step_s=step,
+        samples_per_step=b * p,
+        steps_per_epoch=_steps_per_epoch(workload, p),
+        wire_bytes=comm.wire_bytes,
+        payload_bytes=comm.payload_bytes,
+        blocked_s=step - fastest - cluster.cpu_s_per_byte * early.wire_bytes,
+        detail={"allreduce_s": sum(c.time_s for c in buckets), "exposed_s": last.time_s + blocked_early},
+    )
+
+
+def hpsgd(
+    workload: Workload, cluster: Cluster, window: int = 2, compression: str = "none", sync_buffers: bool = True
+) -> Prediction:
+    """HPSGD: one all-reduce per window, hidden behind the next window's compute."""
+    word = 2 if compression == "bf16" else workload.word_bytes
+    comm = all_reduce(workload.params * word + _buffer_bytes(workload, sync_buffers), cluster.workers, cluster)
+    work = compute_s(workload, cluster)
+    period, _ = overlapped(window * max(work), comm, cluster)
+    fastest = window * min(work) + cluster.cpu_s_per_byte * comm.wire_bytes
+    args = {"window": window, "compression": compression, "sync_buffers": sync_buffers}
+    return _periodic("hpsgd", workload, cluster, args, window, period, fastest, comm, float(window))
+
+
+def _round(workload: Workload, cluster: Cluster, sync_buffers: bool, center: Comm) -> Comm:
+    """One averaging round: the center's collectives, the consensus distance, the buffers."""
+    p = cluster.workers
+    return center + all_reduce(FLOAT64, p, cluster) + all_reduce(_buffer_bytes(workload, sync_buffers), p, cluster)
+
+
+def _averaging(
+    name: str, workload: Workload, cluster: Cluster, tau: int, sync_buffers: bool, center: Comm, probe: float = 0.0
+) -> Prediction:
+    work = [tau * t + probe / s for t, s in zip(compute_s(workload, cluster), cluster.speed_list, strict=True)]
+    comm = _round(workload, cluster, sync_buffers, center)
+    return _sync(name, workload, cluster, {"tau": tau, "sync_buffers": sync_buffers}, tau, work, comm)
+
+
+def localsgd(workload: Workload, cluster: Cluster, tau: int = 8, sync_buffers: bool = True) -> Prediction:
+    """Local SGD: a blocking mean of the replicas every ``tau`` steps."""
+    center = all_reduce(workload.param_bytes, cluster.workers, cluster)
+    return _averaging("localsgd", workload, cluster, tau, sync_buffers, center)
+
+
+def easgd(workload: Workload, cluster: Cluster, tau: int = 4, sync_buffers: bool = True) -> Prediction:
+    """EASGD: the elastic round needs the replicas' mean, as Local SGD's."""
+    center = all_reduce(workload.param_bytes, cluster.workers, cluster)
+    return _averaging("easgd", workload, cluster, tau, sync_buffers, center)
+
+
+def lsgd(workload: Workload, cluster: Cluster, tau: int = 4, sync_buffers: bool = True) -> Prediction:
+    """LSGD: the running losses (all-reduce of ``W`` float64), then the leader's replica (broadcast)."""
+    p = cluster.workers
+    center = all_reduce(p * FLOAT64, p, cluster) + broadcast(workload.param_bytes, p, cluster)
+    return _averaging("lsgd", workload, cluster, tau, sync_buffers, center)
+
+
+def _grawa(
+    name: str, workload: Workload, cluster: Cluster, tau: int, sync_buffers: bool, probe: str, width: int
+) -> Prediction:
+    p = cluster.workers
+    center = all_reduce(p * (width + 1) * FLOAT64, p, cluster) + all_reduce(workload.param_bytes, p, cluster)
+    extra = 0.0 if probe == "step" else workload.batch_size * workload.sample_s
+    prediction = _averaging(name, workload, cluster, tau, sync_buffers, center, probe=extra)
+    prediction.args["probe"] = probe
+    return prediction
+
+
+def mgrawa(
+    workload: Workload, cluster: Cluster, tau: int = 32, sync_buffers: bool = True, probe: str = "fresh"
+) -> Prediction:
+    """MGRAWA: one weight per worker (the score table has a score and a norm per worker)."""
+    return _grawa("mgrawa", workload, cluster, tau, sync_buffers, probe, 1)
+
+
+def lgrawa(
+    workload: Workload, cluster: Cluster, tau: int = 32, sync_buffers: bool = True, probe: str = "fresh"
+) -> Prediction:
+    """LGRAWA: one weight per worker and parameter tensor."""
+    return _grawa("lgrawa", workload, cluster, tau, sync_buffers, probe, workload.tensors)
+
+
+def dbs(workload: Workload, cluster: Cluster, rebalance_every: int = 20, sync_buffers: bool = True) -> Prediction:
+    """DBS: shares of the global batch proportional to speed, then a blocking gradient all-reduce."""
+    p, speeds = cluster.workers, cluster.speed_list
+    total = workload.batch_size * p
+    shares = [total * s / sum(speeds) for s in speeds]
+    work = compute_s(workload, cluster, shares)
+    grads = all_reduce(workload.param_bytes + _buffer_bytes(workload, sync_buffers), p, cluster)
+    table = all_reduce(p * 4 * FLOAT64, p, cluster).times(1 / rebalance_every)
+    prediction = _sync("dbs", workload, cluster, {"rebalance_every": rebalance_every}, 1, work, grads + table)
+    prediction.detail["shares"] = shares
+    return prediction
+
+
+def decoupled(workload: Workload, cluster: Cluster, pipe: int = 2, schedule: str = "fdg") -> Prediction:
+    """The N x K decoupled pipeline: lock-step iterations paced by the slowest stage."""
+    if not workload.blocks:
+        raise ValueError(f"decoupled: workload {workload.name!r} has no per-block costs; calibrate it with blocks.")
+    if cluster.workers % pipe:
+        raise ValueError(f"decoupled: `pipe` {pipe} must divide the {cluster.workers} workers.")
+    replicas, b, speed = cluster.workers // pipe, workload.batch_size, min(cluster.speed_list)
+    stages = split_blocks(workload.blocks, pipe)
+    step_share = workload.step_s / max(1, workload.params)
+    labels = b * FLOAT64  # int64 targets travel with the activations
+    elapsed, wire, payload, compute = [], 0.0, 0.0, []
+    for k, blocks in enumerate(stages):
+        params = sum(bl.params for bl in blocks)
+        work = (b * sum(bl.compute_s for bl in blocks) + step_share * params) / speed
+        forward = p2p(b * blocks[-1].out_words * workload.word_bytes + labels, cluster) if k < pipe - 1 else NONE
+        backward = p2p(b * stages[k - 1][-1].out_words * workload.word_bytes, cluster) if k > 0 else NONE
+        reduce = all_reduce(params * workload.word_bytes, replicas, cluster)
+        hidden, _ = overlapped(work, forward + backward, cluster)
+        locked = work + forward.time_s + backward.time_s
+        elapsed.append((locked if schedule == "sync" else hidden) + reduce.time_s)
+        compute.append(work)
+        sent = forward + backward + reduce
+        wire, payload = wire + sent.wire_bytes, payload + sent.payload_bytes
+    step = sum(elapsed) if schedule == "sync" else max(elapsed)
+    drain = {"fdg": 2 * (pipe - 1), "ddg": pipe - 1, "sync": 0}[schedule]
+    return Prediction(
+        "decoupled",
+        {"pipe": pipe, "schedule": schedule},
+        cluster.workers,
+        step_s=step,
+        samples_per_step=b * replicas,
+        steps_per_epoch=_steps_per_epoch(workload, replicas) + drain,
+        wire_bytes=wire / pipe,
+        payload_bytes=payload / pipe,
+        blocked_s=step - min(compute),
+        staleness=float(drain),
+        detail={"stage_s": elapsed, "stage_blocks": [len(s) for s in stages]},
+    )
+
+
+def grid2d(
+    workload: Workload, cluster: Cluster, layers: Sequence[Layer] = (), grid: tuple[int, int] | None = None
+) -> Prediction:
+    """The ``Pr x Pc`` grid: the planner's cost model, blocking, compute split evenly over the grid."""
+    from lightning_hier.planner.plan import best_grid
+
+    if not layers:
+        raise ValueError(f"grid2d: workload {workload.name!r} needs its layer list (planner.model_layers).")
+    p, total = cluster.workers, workload.batch_size * cluster.workers
+    if grid is None:
+        grid = best_grid(list(layers), total, p, links=cluster.link).grid
+    pr, pc = grid
+    cost = network_cost(list(layers), pr, pc, total)
+    comm_s = cost.time(cluster.link)
+    work = [total * workload.sample_s / p / s + workload.step_s / pr / s for s in cluster.speed_list]
+    step = max(work) + comm_s
+    words = cost.words * workload.word_bytes
+    return Prediction(
+        "grid2d",
+        {"grid": (pr, pc)},
+        p,
+        step_s=step,
+        samples_per_step=total,
+        steps_per_epoch=max(1, workload.samples_per_epoch // total),
+        wire_bytes=words,
+        payload_bytes=words,
+        blocked_s=step - min(work),
+        detail={"comm_s": comm_s, "messages": cost.messages},
+    )
+
+
+MODELS: dict[str, Callable[..., Prediction]] = {
+    "ddp": ddp,
+    "hpsgd": hpsgd,
+    "localsgd": localsgd,
+    "easgd": easgd,
+    "lsgd": lsgd,
+    "mgrawa": mgrawa,
+    "grawa": mgrawa,
+    "lgrawa": lgrawa,
+    "dbs": dbs,
+    "decoupled": decoupled,
+    "grid2d": grid2d,
+    "no-comm": no_comm,
+}
+"""Registry name -> model; the asynchronous strategies (asgd, softsync) are a later addition."""
+
+
+def predict(strategy: str, workload: Workload, cluster: Cluster, **args: Any) -> Prediction:
+    """The prediction of ``strategy`` with its arguments ``args`` (unknown ones are an error)."""
+    if strategy not in MODELS:
+        raise ValueError(f"simulator.predict: `strategy` must be one of {sorted(MODELS)}, got {strategy!r}.")
+    try:
+        return MODELS[strategy](workload, cluster, **args)
+    except TypeError as err:
+        raise ValueError(f"simulator.predict: bad arguments {args} for strategy {strategy!r}: {err}") from err

@@ -1,0 +1,45 @@
+"""The benchmark report's predictions (benchmarks/predicted.py) against the recorded results.
+
+The recorded Local SGD run counted its payload with CommStats; the simulator, calibrated on that
+invocation's no-comm run and given the model's parameter count, must predict it byte for byte.
+"""
+
+import copy
+import json
+from pathlib import Path
+
+from benchmarks.predicted import predict_run, predicted_table
+from lightning_hier.models.networks import mlp
+
+RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "results.json"
+
+
+def _mlp_result() -> dict:
+    result = copy.deepcopy(json.loads(RESULTS.read_text())["workloads"]["hpsgd_mlp_100mbit"])
+    net = mlp((3, 32, 32), 10, hidden=(1024, 1024, 1024))  # the workload's model (recipes/hpsgd)
+    model = {"parameters": sum(p.numel() for p in net.parameters()), "float_buffers": 0, "tensors": 8}
+    for run in result["runs"].values():
+        run["model"] = model
+    return result
+
+
+def test_local_sgd_payload_is_predicted_byte_for_byte():
+    result = _mlp_result()
+    run = result["runs"]["localsgd"]
+    p = predict_run("localsgd", run, result, world=2)
+    assert p is not None and p.args["tau"] == 4
+    assert p.payload_bytes * run["steps"] == run["payload_bytes"][0]
+
+
+def test_the_table_predicts_every_modelled_run_and_marks_the_others():
+    table = predicted_table(_mlp_result(), world=2)
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in table.splitlines()[2:]}
+    assert "calibration" in rows["no-comm"]
+    for label in ("ddp", "hpsgd", "hpsgd-w4", "localsgd"):
+        assert rows[label].count(" - |") <= 2, rows[label]  # DDP: no CommStats payload, so no payload error
+    assert rows["ddp+powersgd"].count(" - |") == 8
+
+
+def test_no_prediction_without_the_model_size():
+    result = json.loads(RESULTS.read_text())["workloads"]["hpsgd_mlp_100mbit"]
+    assert predict_run("localsgd", result["runs"]["localsgd"], result, world=2) is None

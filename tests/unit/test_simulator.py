@@ -1,0 +1,160 @@
+"""The simulator against closed forms computed here by hand: pure compute, pure communication,
+perfect overlap, one straggler, and the collective formulas of its docstring."""
+
+import math
+
+import pytest
+
+from lightning_hier.planner import Link
+from lightning_hier.simulator import Cluster, Workload, all_reduce, broadcast, one_straggler, p2p, predict
+
+P = 1_000_000  # parameters: 4 MB per full-model collective
+ALPHA, BYTE_S = 1e-5, 1e-9  # 10 us per message, 1 GB/s
+LINK = Link(alpha=ALPHA, beta=4 * BYTE_S)
+FREE = Link(alpha=0.0, beta=0.0)
+
+
+def _workload(forward_s: float = 1e-3, backward_s: float = 2e-3, step_s: float = 0.01, batch: int = 32) -> Workload:
+    return Workload(
+        "w",
+        params=P,
+        batch_size=batch,
+        samples_per_epoch=batch * 4 * 10,
+        forward_s=forward_s,
+        backward_s=backward_s,
+        step_s=step_s,
+    )
+
+
+SYNC = [
+    ("ddp", {}),
+    ("hpsgd", {"window": 4}),
+    ("localsgd", {"tau": 8}),
+    ("easgd", {"tau": 4}),
+    ("lsgd", {"tau": 4}),
+    ("mgrawa", {"tau": 32, "probe": "step"}),
+    ("lgrawa", {"tau": 32, "probe": "step"}),
+    ("dbs", {}),
+]
+
+
+@pytest.mark.parametrize(("strategy", "args"), SYNC)
+def test_pure_compute_is_the_compute_bound(strategy, args):
+    w, c = _workload(), Cluster(4, FREE)
+    p = predict(strategy, w, c, **args)
+    step = 32 * 3e-3 + 0.01
+    assert p.step_s == pytest.approx(step)
+    assert p.samples_per_s == pytest.approx(4 * 32 / step)
+    assert p.epoch_s == pytest.approx(10 * step)
+    assert p.blocked_s == pytest.approx(0.0, abs=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("algorithm", "time"),
+    [
+        ("ring", 2 * 3 * ALPHA + 2 * 0.75 * 4e6 * BYTE_S),
+        ("tree", 2 * 2 * (ALPHA + 4e6 * BYTE_S)),
+        ("halving_doubling", 2 * 2 * ALPHA + 2 * 0.75 * 4e6 * BYTE_S),
+    ],
+)
+def test_pure_communication_is_the_all_reduce(algorithm, time):
+    w, c = _workload(0.0, 0.0, 0.0), Cluster(4, LINK, algorithm)
+    assert all_reduce(4e6, 4, c).time_s == pytest.approx(time)
+    # Local SGD with tau = 1 and no buffers: the parameters' all-reduce and the 8-byte distance, every step
+    p = predict("localsgd", w, c, tau=1)
+    assert p.step_s == pytest.approx(time + all_reduce(8, 4, c).time_s)
+    assert p.wire_bytes == pytest.approx(2 * 0.75 * (4e6 + 8))
+    assert p.payload_bytes == 4e6 + 8
+    # DDP's buckets: 1 MiB, then the rest (25 MiB cap): two all-reduces
+    first, rest = 2**20, 4e6 - 2**20
+    assert predict("ddp", w, c).step_s == pytest.approx(all_reduce(first, 4, c).time_s + all_reduce(rest, 4, c).time_s)
+
+
+def test_broadcast_and_point_to_point():
+    c = Cluster(8, LINK, "tree")
+    assert broadcast(1e6, 8, c).time_s == pytest.approx(3 * (ALPHA + 1e6 * BYTE_S))
+    ring = Cluster(8, LINK, "ring")
+    assert broadcast(1e6, 8, ring).time_s == pytest.approx(7 * ALPHA + 1e6 * BYTE_S)
+    assert broadcast(1e6, 8, ring).wire_bytes == pytest.approx(7 / 8 * 1e6)  # every worker but the last forwards it
+    hd = Cluster(8, LINK, "halving_doubling")
+    assert broadcast(1e6, 8, hd).time_s == pytest.approx((3 + 7) * ALPHA + 2 * 7 / 8 * 1e6 * BYTE_S)
+    assert p2p(1e6, ring).time_s == pytest.approx(ALPHA + 1e6 * BYTE_S)
+    assert all_reduce(1e6, 1, ring).time_s == 0.0
+
+
+def test_perfect_overlap_hides_the_window_reduction():
+    c = Cluster(2, LINK)
+    reduction = all_reduce(4e6, 2, c).time_s  # ~4 ms
+    hidden = predict("hpsgd", _workload(1e-3, 2e-3, 0.0), c, window=2)  # 96 ms of compute per step
+    assert hidden.step_s == pytest.approx(32 * 3e-3)
+    assert hidden.blocked_s == 0.0
+    assert hidden.staleness == 2
+    exposed = predict("hpsgd", _workload(1e-6, 1e-6, 0.0), c, window=2)  # compute far below the reduction
+    assert exposed.step_s == pytest.approx(reduction / 2)
+    assert exposed.blocked_s == pytest.approx(reduction / 2 - 32 * 2e-6)
+    # bf16 halves the payload
+    assert predict("hpsgd", _workload(), c, window=2, compression="bf16").payload_bytes == pytest.approx(2e6 / 2)
+
+
+def test_one_straggler_paces_synchronous_steps_and_dbs_rebalances_it():
+    w, factor = _workload(step_s=0.0), 3.0
+    c = Cluster(4, FREE, speeds=one_straggler(4, factor))
+    t = 32 * 3e-3
+    assert predict("ddp", w, c).step_s == pytest.approx(factor * t)
+    assert predict("localsgd", w, c, tau=8).step_s == pytest.approx(factor * t)
+    # the fast workers wait (factor - 1) t per step
+    assert predict("ddp", w, c).blocked_s == pytest.approx((factor - 1) * t)
+    # DBS: shares proportional to speed, so each worker needs B c / sum(s)
+    dbs = predict("dbs", w, c)
+    assert dbs.step_s == pytest.approx(4 * 32 * 3e-3 / (3 + 1 / factor))
+    assert dbs.detail["shares"][-1] == pytest.approx(128 / (3 + 1 / factor) / factor)
+
+
+def test_averaging_bytes_per_round():
+    w = Workload(
+        "w", params=P, batch_size=8, samples_per_epoch=8 * 2 * 64, forward_s=0.0, backward_s=0.0, buffers=10, tensors=6
+    )
+    c = Cluster(2, LINK)
+    assert predict("localsgd", w, c, tau=8).payload_bytes == pytest.approx((4e6 + 8 + 40) / 8)
+    assert predict("lsgd", w, c, tau=4).payload_bytes == pytest.approx((2 * 8 + 4e6 + 8 + 40) / 4)
+    assert predict("mgrawa", w, c, tau=32).payload_bytes == pytest.approx((2 * 2 * 8 + 4e6 + 8 + 40) / 32)
+    assert predict("lgrawa", w, c, tau=32).payload_bytes == pytest.approx((2 * 7 * 8 + 4e6 + 8 + 40) / 32)
+    assert predict("localsgd", w, c, tau=8).payload_bytes_per_epoch == pytest.approx((4e6 + 48) / 8 * 64)
+
+
+def test_grid2d_uses_the_planners_cost():
+    from lightning_hier.planner import FCLayer, network_cost
+
+    layers = [FCLayer(1024, 1024), FCLayer(1024, 10)]
+    w = _workload(0.0, 0.0, 0.0, batch=64)
+    c = Cluster(4, LINK)
+    p = predict("grid2d", w, c, layers=layers, grid=(2, 2))
+    cost = network_cost(layers, 2, 2, 256)
+    assert p.step_s == pytest.approx(cost.time(LINK))
+    assert p.wire_bytes == pytest.approx(4 * cost.words)
+    assert predict("grid2d", w, c, layers=layers).args["grid"] in {(1, 4), (2, 2), (4, 1)}
+
+
+def test_decoupled_pipeline_runs_at_its_slowest_stage():
+    from lightning_hier.simulator import Block
+
+    blocks = (Block(2e-3, 100, 50), Block(1e-3, 100, 20), Block(1e-3, 100, 10))
+    w = Workload(
+        "p", params=300, batch_size=16, samples_per_epoch=16 * 10, forward_s=0.0, backward_s=4e-3, blocks=blocks
+    )
+    p = predict("decoupled", w, Cluster(2, FREE), pipe=2)
+    assert p.step_s == pytest.approx(16 * 2e-3)  # stages [block 0] and [blocks 1, 2]
+    assert p.staleness == 2 and p.steps_per_epoch == 10 + 2
+    sync = predict("decoupled", w, Cluster(2, FREE), pipe=2, schedule="sync")
+    assert sync.step_s == pytest.approx(16 * 4e-3)
+    assert p.payload_bytes == pytest.approx((16 * 50 * 4 + 16 * 8 + 16 * 50 * 4) / 2)  # activations+labels, gradients
+
+
+def test_bad_input_names_the_argument():
+    with pytest.raises(ValueError, match=r"strategy.*'nope'"):
+        predict("nope", _workload(), Cluster(2, LINK))
+    with pytest.raises(ValueError, match=r"algorithm.*'mesh'"):
+        Cluster(2, LINK, "mesh")
+    with pytest.raises(ValueError, match="speeds"):
+        Cluster(2, LINK, speeds=(1.0,))
+    assert math.isfinite(predict("no-comm", _workload(), Cluster(2, LINK)).samples_per_s)
