@@ -31,14 +31,12 @@ def pool_window(pool: Pool) -> RowWindow:
 
 def pool_problems(pool: Pool) -> list[str]:
     """Why ``pool`` cannot run on slabs (see :func:`~lightning_hier.layers.rows.split_problems`)."""
-    problems = split_problems(
+    return split_problems(
         ceil_mode=bool(pool.ceil_mode),
         count_include_pad=bool(getattr(pool, "count_include_pad", True)),
         pad_rows=pair(pool.padding)[0],
+        return_indices=bool(getattr(pool, "return_indices", False)),
     )
-    if isinstance(pool, nn.MaxPool2d) and pool.return_indices:
-        problems.append("return_indices=True (indices into a slab are not indices into the image)")
-    return problems
 
 
 class SlabPool2d(nn.Module):

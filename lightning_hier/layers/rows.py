@@ -129,7 +129,12 @@ def slab_plan(window: RowWindow, height: int, pr: int, r: int) -> SlabPlan:
 
 
 def split_problems(
-    *, padding_mode: str = "zeros", ceil_mode: bool = False, count_include_pad: bool = True, pad_rows: int = 0
+    *,
+    padding_mode: str = "zeros",
+    ceil_mode: bool = False,
+    count_include_pad: bool = True,
+    pad_rows: int = 0,
+    return_indices: bool = False,
 ) -> list[str]:
     """Why a windowed layer cannot run on slabs of rows (empty when it can, at any Pr and height).
 
@@ -142,6 +147,7 @@ def split_problems(
         count_include_pad: An average pooling's flag: excluding padding from the divisor is not
             supported when the window is padded along H.
         pad_rows: Padding rows along H.
+        return_indices: A max-pooling's flag: indices into a slab are not indices into the image.
     """
     problems = []
     if padding_mode != "zeros":
@@ -150,4 +156,6 @@ def split_problems(
         problems.append("ceil_mode=True (a partial last window is not supported on slabs)")
     if not count_include_pad and pad_rows:
         problems.append("count_include_pad=False with padding along H (not supported on slabs)")
+    if return_indices:
+        problems.append("return_indices=True (indices into a slab are not indices into the image)")
     return problems

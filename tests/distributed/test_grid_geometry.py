@@ -5,7 +5,8 @@ torchvision-style ResNet stem (7x7/2 convolution with padding 3, 3x3/2 max-pool 
 uneven slabs, strides larger than the halo, windows reaching past the neighbouring slab and empty
 slabs (13 rows on Pr = 4 hold 4, 3, 3, 3; a 1x1 output on Pr = 4 leaves three ranks without rows).
 Each check trains two SGD steps and compares the output, the loss and every reduced gradient at
-each step, then the parameters. One worker launch per grid runs every network.
+each step, then the parameters; the bytes each rank sends equal the planner's exact count. One
+worker launch per grid runs every network.
 """
 
 import copy
@@ -18,7 +19,7 @@ from torch import nn
 from lightning_hier.layers import GradientReducer, GridContext, full_state_dict, to_grid
 from lightning_hier.models import small_cnn
 from lightning_hier.testing import run_workers
-from tests.distributed.test_grid_layers import TOL, _grad_errors, _grid, _max
+from tests.distributed.test_grid_layers import TOL, _bytes, _grad_errors, _grid, _max
 
 GRIDS = [(2, 1), (4, 1), (2, 2), (1, 4)]
 
@@ -78,7 +79,9 @@ def _paper_geometry(pr: int) -> dict[str, float]:
     errs = _train(g, "alexnet 227", _alexnet(0), (3, 227, 227), 2)
     errs |= _train(g, "alexnet 224", _alexnet(2), (3, 224, 224), 2)
     errs |= _train(g, "resnet stem", _resnet_stem(), (3, 64, 64), 2)
-    return errs | _train(g, "resnet stem odd", _resnet_stem(), (3, 37, 40), 2)
+    errs |= _train(g, "resnet stem odd", _resnet_stem(), (3, 37, 40), 2)
+    # the planner's exact counts come from the same row plans: measured bytes equal predicted words
+    return errs | _bytes(g, _alexnet(0), (3, 227, 227)) | _bytes(g, _resnet_stem(), (3, 37, 40))
 
 
 @pytest.mark.parametrize(("pr", "pc"), GRIDS, ids=[f"{pr}x{pc}" for pr, pc in GRIDS])

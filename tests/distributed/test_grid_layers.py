@@ -175,19 +175,19 @@ def _sgd_steps(g: GridContext) -> dict[str, float]:
     return {f"sgd {n}": _max(full[n], p) for n, p in ref.named_parameters()}
 
 
-def _bytes(g: GridContext) -> dict[str, float]:
+def _bytes(g: GridContext, ref: nn.Module | None = None, shape: tuple[int, ...] = (2, H, H)) -> dict[str, float]:
     """Measured wire bytes of one step, by kind, vs the cost model's exact per-rank word counts."""
     torch.manual_seed(5)
-    ref = _cnn()
-    net = to_grid(copy.deepcopy(ref), g, torch.zeros(1, 2, H, H))
+    ref = _cnn() if ref is None else ref
+    net = to_grid(copy.deepcopy(ref), g, torch.zeros(1, *shape))
     assert g.stats is not None
     before = g.stats.snapshot()
-    F.cross_entropy(net(torch.randn(B, 2, H, H)), torch.randint(0, 4, (B,))).backward()
+    F.cross_entropy(net(torch.randn(B, *shape)), torch.randint(0, 4, (B,))).backward()
     GradientReducer(net, g).reduce()
     measured = {k: v - before.get(k, 0.0) for k, v in g.stats.snapshot().items()}
-    predicted = network_cost(model_layers(ref, (2, H, H)), g.pr, g.pc, B * g.pc, rank=g.r).words_by_kind()
+    predicted = network_cost(model_layers(ref, shape), g.pr, g.pc, B * g.pc, rank=g.r).words_by_kind()
     kinds = set(measured) | set(predicted)
-    return {f"bytes {k}": abs(measured.get(k, 0.0) / 8 - predicted.get(k, 0.0)) for k in kinds}
+    return {f"bytes {shape} {k}": abs(measured.get(k, 0.0) / 8 - predicted.get(k, 0.0)) for k in kinds}
 
 
 class _TiedLM(nn.Module):
