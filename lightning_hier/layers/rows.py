@@ -64,6 +64,10 @@ class RowWindow:
         """Output rows of an input of ``height`` rows (as torch computes them, floor mode)."""
         return max(0, (height + self.pad_top + self.pad_bottom - self.reach) // self.stride + 1)
 
+    def halo(self) -> tuple[int, int]:
+        """Rows read from the slab above and below on equal slabs thicker than the reach, that hold whole strides."""
+        return self.pad_top, max(0, self.reach - self.pad_top - self.stride)
+
     def rows_needed(self, out_start: int, out_stop: int) -> tuple[int, int]:
         """``[lo, hi)`` of the input rows that output rows ``[out_start, out_stop)`` read (may reach into padding)."""
         if out_stop <= out_start:

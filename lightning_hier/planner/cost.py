@@ -131,8 +131,7 @@ class ConvLayer:
 
     def halo_rows(self) -> tuple[int, int]:
         """Rows this layer needs from the slab above and below on equal slabs thicker than its reach."""
-        window = self.window
-        return window.pad_top, max(0, window.reach - window.pad_top - self.stride)
+        return self.window.halo()
 
 
 @dataclass(frozen=True)
@@ -182,12 +181,16 @@ class PoolLayer:
 
     def problems(self) -> list[str]:
         """Why it cannot run on slabs (:func:`~lightning_hier.layers.rows.split_problems`)."""
-        return split_problems(ceil_mode=self.ceil_mode, count_include_pad=self.count_include_pad, pad_rows=self.padding)
+        return split_problems(
+            ceil_mode=self.ceil_mode,
+            count_include_pad=self.count_include_pad,
+            pad_rows=self.padding,
+            return_indices=self.return_indices,
+        )
 
     def halo_rows(self) -> tuple[int, int]:
         """Rows this layer needs from the slab above and below on equal slabs thicker than its reach."""
-        window = self.window
-        return window.pad_top, max(0, window.reach - window.pad_top - self.stride)
+        return self.window.halo()
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ import pytest
 from torch import nn
 
 from lightning_hier.layers import DomainConv2d, GridContext, SlabPool2d
+from lightning_hier.layers.pooling import pool_problems
 from lightning_hier.models import alexnet, mlp, resnet20, small_cnn
 from lightning_hier.planner import (
     REFERENCE_LINK,
@@ -116,6 +117,10 @@ def test_what_cannot_run_on_slabs_is_the_layers_own_check():
         SlabPool2d(nn.MaxPool2d(3, 2, ceil_mode=True), grid)
     with pytest.raises(ValueError, match=re.escape(p[(2, 2)].unsupported[0].removeprefix("layer c: "))):
         DomainConv2d(3, 4, 3, padding=1, padding_mode="circular", grid=grid)
+    for pool in (nn.MaxPool2d(3, 2, ceil_mode=True), nn.AvgPool2d(3, 2, 1, count_include_pad=False)):
+        traced = model_layers(nn.Sequential(nn.Conv2d(1, 1, 1), pool, nn.Flatten()), (1, 8, 8))[1]
+        assert traced.problems() == pool_problems(pool) != []
+    assert PoolLayer(8, 2, return_indices=True).problems() == pool_problems(nn.MaxPool2d(2, return_indices=True))
 
 
 @pytest.mark.parametrize("batch", [256, 2048])
