@@ -19,7 +19,7 @@ from lightning_hier.layers.collectives import (
     copy_to_model,
     even_shard_sizes,
     gather_along,
-    halo_exchange,
+    row_exchange,
     shard_range,
     split_along,
 )
@@ -35,9 +35,12 @@ from lightning_hier.layers.convert import (
     trace_shapes,
 )
 from lightning_hier.layers.grads import GradientReducer, parameter_kinds
+from lightning_hier.layers.heights import SlabHeights
 from lightning_hier.layers.linear import GridLinear
+from lightning_hier.layers.pooling import SlabPool2d
 from lightning_hier.layers.replicated import replicated_leaves
-from lightning_hier.layers.spatial import DomainConv2d, GatherSlabs, GridBatchNorm2d, SlabPool2d
+from lightning_hier.layers.rows import RowWindow, SlabPlan, slab_plan, split_problems
+from lightning_hier.layers.spatial import DomainConv2d, GatherSlabs, GridBatchNorm2d
 
 __all__ = [
     "DomainConv2d",
@@ -49,6 +52,9 @@ __all__ = [
     "GridLinear",
     "ParamKind",
     "Role",
+    "RowWindow",
+    "SlabHeights",
+    "SlabPlan",
     "SlabPool2d",
     "all_reduce_sum",
     "classify",
@@ -56,13 +62,15 @@ __all__ = [
     "even_shard_sizes",
     "full_state_dict",
     "gather_along",
-    "halo_exchange",
     "is_grid_model",
     "load_full_state_dict",
     "parameter_kinds",
     "replicated_leaves",
+    "row_exchange",
     "shard_range",
+    "slab_plan",
     "split_along",
+    "split_problems",
     "to_grid",
     "to_ordinary",
     "trace_shapes",

@@ -10,7 +10,7 @@ function                    forward                      backward
 :func:`copy_to_model`       identity                     all-reduce (sum) over MODEL
 :func:`all_reduce_sum`      all-reduce (sum) over MODEL  all-reduce (sum) over MODEL
 :func:`split_along`         keep this rank's slice       all-gather over MODEL
-:func:`halo_exchange`       rows from both neighbours    halo gradients sent back and added
+:func:`row_exchange`        the rows a window reads      their gradients sent back and added
 ==========================  ===========================  ====================================
 
 The sliced backward of :func:`gather_along` is exact because everything downstream of the gather
@@ -31,19 +31,17 @@ from typing_extensions import override
 from lightning_hier.comm import all_reduce_sum_, payload_bytes, wait_all
 from lightning_hier.comm.collectives import p2p_wait_limit
 from lightning_hier.layers.context import GridCommStats, GridContext
+from lightning_hier.layers.rows import SlabPlan, even_shard_sizes, shard_range
 
-
-def even_shard_sizes(n: int, parts: int) -> list[int]:
-    """Sizes of ``parts`` nearly equal shards of ``n`` (the first ``n % parts`` one larger)."""
-    base, extra = divmod(n, parts)
-    return [base + (1 if i < extra else 0) for i in range(parts)]
-
-
-def shard_range(n: int, parts: int, index: int) -> tuple[int, int]:
-    """``[start, stop)`` of shard ``index`` of :func:`even_shard_sizes`."""
-    sizes = even_shard_sizes(n, parts)
-    start = sum(sizes[:index])
-    return start, start + sizes[index]
+__all__ = [
+    "all_reduce_sum",
+    "copy_to_model",
+    "even_shard_sizes",
+    "gather_along",
+    "row_exchange",
+    "shard_range",
+    "split_along",
+]
 
 
 # ---------------------------------------------------------------------------- raw collectives
@@ -92,18 +90,23 @@ def exchange(
 
 
 # ---------------------------------------------------------------------------- autograd functions
+def _gather_padded(x: Tensor, dim: int, sizes: Sequence[int], g: GridContext, kind: str) -> Tensor:
+    """All-gather shards of ``sizes`` along ``dim`` (gloo gathers equal sizes only: pad short ones, trim after)."""
+    width = max(sizes)
+    if x.shape[dim] < width:
+        pad = list(x.shape)
+        pad[dim] = width - x.shape[dim]
+        x = torch.cat([x, x.new_zeros(pad)], dim=dim)
+    chunks = all_gather_raw(x, g, kind)
+    return torch.cat([c.narrow(dim, 0, n) for c, n in zip(chunks, sizes, strict=True)], dim=dim)
+
+
 class _GatherAlong(Function):
     @staticmethod
     @override
     def forward(ctx: Any, x: Tensor, dim: int, sizes: tuple[int, ...], g: GridContext, kind: str) -> Tensor:
         ctx.dim, ctx.sizes, ctx.r = dim, sizes, g.r
-        width = max(sizes)
-        if x.shape[dim] < width:  # gloo gathers equal sizes only: pad short shards, trim after
-            pad = list(x.shape)
-            pad[dim] = width - x.shape[dim]
-            x = torch.cat([x, x.new_zeros(pad)], dim=dim)
-        chunks = all_gather_raw(x, g, kind)
-        return torch.cat([c.narrow(dim, 0, n) for c, n in zip(chunks, sizes, strict=True)], dim=dim)
+        return _gather_padded(x, dim, sizes, g, kind)
 
     @staticmethod
     @override
@@ -144,63 +147,54 @@ class _SplitAlong(Function):
     @staticmethod
     @override
     def forward(ctx: Any, x: Tensor, dim: int, g: GridContext, kind: str) -> Tensor:
-        n = x.shape[dim] // g.pr
         ctx.dim, ctx.g, ctx.kind = dim, g, kind
-        return x.narrow(dim, g.r * n, n).clone()
+        ctx.sizes = even_shard_sizes(x.shape[dim], g.pr)
+        start, stop = shard_range(x.shape[dim], g.pr, g.r)
+        return x.narrow(dim, start, stop - start).clone()
 
     @staticmethod
     @override
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        return torch.cat(all_gather_raw(grad, ctx.g, ctx.kind), dim=ctx.dim), None, None, None
+        return _gather_padded(grad, ctx.dim, ctx.sizes, ctx.g, ctx.kind), None, None, None
 
 
-class _Halo(Function):
+def _rows(x: Tensor, start: int, stop: int) -> Tensor:
+    return x.narrow(2, start, stop - start)
+
+
+class _RowExchange(Function):
+    # forward: the rows plan.read of the image, assembled from my slab and the pieces of their
+    # owners; backward: each piece's gradient goes back to its owner, which adds it to its rows
     @staticmethod
     @override
-    def forward(ctx: Any, x: Tensor, top: int, bottom: int, g: GridContext) -> Tensor:
-        ctx.top, ctx.bottom, ctx.g = top, bottom, g
-        up, down = _neighbours(g)
-        rows = x.shape[2]
-        above = x.new_zeros(x.shape[0], x.shape[1], top, x.shape[3])
-        below = x.new_zeros(x.shape[0], x.shape[1], bottom, x.shape[3])
-        sends, recvs = [], []
-        if up is not None:  # the rank above needs my first rows as its bottom halo
-            sends += [(x[:, :, :bottom], up)] if bottom else []
-            recvs += [(above, up)] if top else []
-        if down is not None:
-            sends += [(x[:, :, rows - top :], down)] if top else []
-            recvs += [(below, down)] if bottom else []
-        exchange(sends, recvs, g, "halo")
-        return torch.cat([above, x, below], dim=2)
+    def forward(ctx: Any, x: Tensor, plan: SlabPlan, g: GridContext) -> Tensor:
+        ctx.plan, ctx.g, ctx.shape = plan, g, x.shape
+        first = plan.own[0]
+        got = {q: x.new_empty(x.shape[0], x.shape[1], b - a, x.shape[3]) for q, a, b in plan.recv}
+        sends = [(_rows(x, a - first, b - first), g.model_ranks[q]) for q, a, b in plan.send]
+        exchange(sends, [(t, g.model_ranks[q]) for q, t in got.items()], g, "halo")
+        start, stop = max(plan.read[0], plan.own[0]), min(plan.read[1], plan.own[1])
+        mine = [_rows(x, start - first, stop - first)] if start < stop else []
+        above = [got[q] for q, _, _ in plan.recv if q < plan.rank]
+        below = [got[q] for q, _, _ in plan.recv if q > plan.rank]
+        pieces = above + mine + below
+        return torch.cat(pieces, dim=2) if pieces else _rows(x, 0, 0).clone()
 
     @staticmethod
     @override
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        top, bottom, g = ctx.top, ctx.bottom, ctx.g
-        up, down = _neighbours(g)
-        rows = grad.shape[2] - top - bottom
-        out = grad[:, :, top : top + rows].clone()
-        from_up = grad.new_empty(grad.shape[0], grad.shape[1], bottom, grad.shape[3])
-        from_down = grad.new_empty(grad.shape[0], grad.shape[1], top, grad.shape[3])
-        sends, recvs = [], []
-        if up is not None:  # my top halo's gradient belongs to the last rows of the rank above
-            sends += [(grad[:, :, :top], up)] if top else []
-            recvs += [(from_up, up)] if bottom else []
-        if down is not None:
-            sends += [(grad[:, :, top + rows :], down)] if bottom else []
-            recvs += [(from_down, down)] if top else []
-        exchange(sends, recvs, g, "halo")
-        if up is not None and bottom:
-            out[:, :, :bottom] += from_up
-        if down is not None and top:
-            out[:, :, rows - top :] += from_down
-        return out, None, None, None
-
-
-def _neighbours(g: GridContext) -> tuple[int | None, int | None]:
-    up = g.model_ranks[g.r - 1] if g.r > 0 else None
-    down = g.model_ranks[g.r + 1] if g.r < g.pr - 1 else None
-    return up, down
+        plan, g = ctx.plan, ctx.g
+        first, offset = plan.own[0], plan.read[0]
+        out = grad.new_zeros(ctx.shape)
+        back = {q: grad.new_empty(grad.shape[0], grad.shape[1], b - a, grad.shape[3]) for q, a, b in plan.send}
+        sends = [(_rows(grad, a - offset, b - offset), g.model_ranks[q]) for q, a, b in plan.recv]
+        exchange(sends, [(t, g.model_ranks[q]) for q, t in back.items()], g, "halo")
+        start, stop = max(plan.read[0], plan.own[0]), min(plan.read[1], plan.own[1])
+        if start < stop:
+            _rows(out, start - first, stop - first).add_(_rows(grad, start - offset, stop - offset))
+        for q, a, b in plan.send:
+            _rows(out, a - first, b - first).add_(back[q])
+        return out, None, None
 
 
 # ---------------------------------------------------------------------------- public wrappers
@@ -226,21 +220,28 @@ def all_reduce_sum(x: Tensor, g: GridContext, kind: str) -> Tensor:
 
 
 def split_along(x: Tensor, dim: int, g: GridContext, kind: str) -> Tensor:
-    """This rank's equal slice of a tensor replicated over MODEL; the backward all-gathers."""
+    """This rank's shard (:func:`shard_range`) of a tensor replicated over MODEL; the backward all-gathers."""
     if g.pr == 1:
         return x
-    if x.shape[dim] % g.pr:
-        raise ValueError(f"split_along: size {x.shape[dim]} of dim {dim} is not divisible by Pr={g.pr}.")
     return _SplitAlong.apply(x, dim % x.dim(), g, kind)
 
 
-def halo_exchange(x: Tensor, top: int, bottom: int, g: GridContext) -> Tensor:
-    """Prepend ``top`` rows from the rank above and append ``bottom`` rows from the rank below.
+def row_exchange(x: Tensor, plan: SlabPlan, g: GridContext) -> Tensor:
+    """The image rows ``plan.read`` that this rank's window reads, from its slab ``x`` and their owners.
 
-    ``x`` is this rank's slab ``[N, C, H_r, W]`` of a tensor split along H. Rows beyond the global
-    edges are zeros (the zero padding of a convolution). The backward sends the gradient of each
-    halo back to the rank that owns those rows, which adds it to its own.
+    ``x`` is this rank's slab ``[N, C, H_r, W]`` (rows ``plan.own``) of a tensor split along H by
+    :mod:`lightning_hier.layers.rows`. Every rank of the MODEL group calls it with its own plan of
+    the same layer (the sends of one are the receives of the others). The backward sends the
+    gradient of each received piece back to its owner, which adds it to its own rows.
+
+    Raises:
+        ValueError: ``x`` does not hold the rows the plan says this rank owns.
     """
-    if g.pr == 1 or (top == 0 and bottom == 0):
-        return torch.nn.functional.pad(x, (0, 0, top, bottom)) if top or bottom else x
-    return _Halo.apply(x, top, bottom, g)
+    if x.shape[2] != plan.own[1] - plan.own[0]:
+        raise ValueError(
+            f"row_exchange: rank r={plan.rank} holds a slab of {x.shape[2]} rows, but owns rows "
+            f"{plan.own[0]}..{plan.own[1]} of its layer's input by the row-ownership rule."
+        )
+    if g.pr == 1:
+        return _rows(x, plan.read[0], plan.read[1])
+    return _RowExchange.apply(x, plan, g)

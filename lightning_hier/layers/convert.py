@@ -13,7 +13,7 @@ first ``nn.Conv2d``         :class:`DomainConv2d` that first takes this rank's s
                             whole images (every rank of a MODEL group sees the same batch)
 later ``nn.Conv2d``         :class:`DomainConv2d`
 ``nn.BatchNorm2d``          :class:`GridBatchNorm2d` (inside the convolutional part)
-``nn.MaxPool2d/AvgPool2d``  :class:`SlabPool2d` (windows checked to stay inside a slab)
+``nn.MaxPool2d/AvgPool2d``  :class:`SlabPool2d` (overlapping / padded windows exchange rows)
 ``nn.Flatten``, adaptive    :class:`GatherSlabs` around it: the conv -> FC transition
 pooling after a conv
 activations, dropout        unchanged (element-wise: correct on slabs)
@@ -26,8 +26,12 @@ weights (MHA ``out_proj``)  tied to the output Linear, ``nn.MultiheadAttention.o
 ``linear2``); its fused inference path, which reads those weights directly, is turned off.
 Anything else inside the convolutional part is rejected with the list of what is supported.
 Custom blocks are converted through their children; their own ``forward`` code must be
-element-wise or slab-safe along H (e.g. ResNet's ``x[:, :, ::2, ::2]`` shortcut is, because slabs
-start at even rows whenever the stride-2 convolution's checks pass).
+element-wise or slab-safe along H. ResNet's ``x[:, :, ::2, ::2]`` shortcut is slab-safe only
+where every slab of its input starts at an even row (e.g. heights divisible by 2 Pr): the
+converter cannot see inside a custom ``forward``, so it does not check this.
+
+All spatial layers of one conversion share a :class:`~lightning_hier.layers.heights.SlabHeights`
+(the global height of each layer's input), filled from the trace of ``example`` when given.
 
 :func:`full_state_dict` gathers the ordinary ``state_dict`` (same keys and shapes as the original
 network), :func:`load_full_state_dict` shards one back in, :func:`to_ordinary` builds the ordinary
@@ -45,9 +49,11 @@ import torch
 from torch import Tensor, nn
 
 from lightning_hier.layers.context import GridContext
+from lightning_hier.layers.heights import SlabHeights
 from lightning_hier.layers.linear import GridLinear
+from lightning_hier.layers.pooling import SlabPool2d
 from lightning_hier.layers.replicated import FAST_PATH_LAYERS, disable_fast_path, replicated_leaves
-from lightning_hier.layers.spatial import DomainConv2d, GatherSlabs, GridBatchNorm2d, SlabPool2d
+from lightning_hier.layers.spatial import DomainConv2d, GatherSlabs, GridBatchNorm2d
 
 SLAB_SAFE: tuple[type[nn.Module], ...] = (
     nn.ReLU,
@@ -66,6 +72,7 @@ SLAB_SAFE: tuple[type[nn.Module], ...] = (
     nn.Dropout2d,
 )
 TRANSITIONS: tuple[type[nn.Module], ...] = (nn.Flatten, nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d)
+Shapes = dict[str, tuple[torch.Size, torch.Size]]
 GRID_MODULES: tuple[type[nn.Module], ...] = (GridLinear, DomainConv2d, GridBatchNorm2d, SlabPool2d, GatherSlabs)
 
 
@@ -169,18 +176,29 @@ def _kept_role(m: nn.Module, region: str, why: str) -> tuple[Role, str]:
     return Role.REPLICATED, ""
 
 
-def _grid_form(m: nn.Module, role: Role, grid: GridContext) -> nn.Module:
+def _grid_form(m: nn.Module, role: Role, grid: GridContext, heights: SlabHeights, path: str) -> nn.Module:
     if role is Role.LINEAR and isinstance(m, nn.Linear) and m.out_features >= grid.pr:
         return GridLinear.from_linear(m, grid)
     if role in (Role.FIRST_CONV, Role.CONV) and isinstance(m, nn.Conv2d):
-        return DomainConv2d.from_conv(m, grid, split_input=role is Role.FIRST_CONV)
+        return DomainConv2d.from_conv(m, grid, role is Role.FIRST_CONV, heights, path)
     if role is Role.BATCHNORM and isinstance(m, nn.BatchNorm2d):
-        return GridBatchNorm2d.from_batchnorm(m, grid)
+        return GridBatchNorm2d.from_batchnorm(m, grid, heights, path)
     if role is Role.POOL and isinstance(m, nn.MaxPool2d | nn.AvgPool2d):
-        return SlabPool2d(m, grid)
+        return SlabPool2d(m, grid, heights, path)
     if role is Role.TRANSITION:
-        return GatherSlabs(m, grid)
+        return GatherSlabs(m, grid, heights, path)
     return m
+
+
+def _learn_heights(heights: SlabHeights, leaves: list[tuple[str, nn.Module, Role, str]], shapes: Shapes) -> None:
+    """Record each spatial layer's global input height for the traced image size."""
+    first = next((path for path, _, role, _ in leaves if role is Role.FIRST_CONV and path in shapes), None)
+    if first is None:
+        return
+    size = shapes[first][0][2:]
+    for path, _, role, _ in leaves:
+        if role in (Role.CONV, Role.BATCHNORM, Role.POOL, Role.TRANSITION) and path in shapes:
+            heights.learn(path, size, shapes[path][0][2])
 
 
 def to_grid(module: nn.Module, grid: GridContext, example: Tensor | None = None, network: str = "") -> nn.Module:
@@ -206,7 +224,7 @@ def to_grid(module: nn.Module, grid: GridContext, example: Tensor | None = None,
     if is_grid_model(module):
         _rebind(module, grid)
         return module
-    shapes: dict[str, tuple[torch.Size, torch.Size]] = {}
+    shapes: Shapes = {}
     if example is not None:
         prefix = f"{network}." if network else ""
         traced = trace_shapes(module.get_submodule(network), example)
@@ -221,14 +239,14 @@ def to_grid(module: nn.Module, grid: GridContext, example: Tensor | None = None,
             "to_grid: the convolutional part never ends: add an nn.Flatten or adaptive pooling module before "
             "the fully connected layers (the conv -> FC transition gathers the slabs there)."
         )
+    heights = SlabHeights()
+    _learn_heights(heights, leaves, shapes)
     converted: list[str] = []
     for path, m, role, _ in leaves:
-        new = _grid_form(m, role, grid)
-        if isinstance(new, DomainConv2d | SlabPool2d) and path in shapes:
-            try:
-                new.check_height(shapes[path][0][2])
-            except ValueError as err:
-                raise ValueError(f"to_grid: layer {path}: {err}") from None
+        try:
+            new = _grid_form(m, role, grid, heights, path)
+        except ValueError as err:
+            raise ValueError(f"to_grid: layer {path}: {err}") from None
         if new is not m:
             parent, _, name = path.rpartition(".")
             setattr(module.get_submodule(parent), name, new)

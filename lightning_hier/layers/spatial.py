@@ -1,15 +1,19 @@
 """Domain (spatial) parallel layers (Gholami et al., SPAA 2018, arXiv 1712.04432, section 3.2).
 
-Rank (r, c) holds slab r of the image rows (the H axis split into Pr equal slabs) of the samples
-of batch block c; weights are replicated on every rank.
+Rank (r, c) holds slab r of the image rows of the samples of batch block c; which rows that is,
+for every tensor between the first convolution and the conv -> FC transition, is decided by the
+one row-ownership rule of :mod:`lightning_hier.layers.rows` (``torch.tensor_split`` sizes, so
+heights need not be divisible by Pr). Weights are replicated on every rank.
 
-- :class:`DomainConv2d`: exchanges the boundary rows its windows need with the two neighbouring
-  slabs (the halo), convolves the haloed slab without padding along H (zero halo at the global
-  edges) and, in the backward, sends each halo's gradient back to its owner. Its weight gradient
-  is partial per slab: summed over MODEL, then averaged over BATCH.
+- :class:`DomainConv2d`: derives the input rows its output rows read (from kernel, stride,
+  padding, dilation), receives the ones it does not own from whichever ranks own them (one
+  neighbour, several, or none), pads the image's edges with zeros and convolves; the backward
+  sends each received row's gradient back to its owner. Its weight gradient is partial per
+  slab: summed over MODEL, then averaged over BATCH.
 - :class:`GridBatchNorm2d`: per-channel sum and sum of squares all-reduced over MODEL, so the
   statistics are those of the whole images of the batch block.
-- :class:`SlabPool2d`: pooling whose windows never cross a slab boundary (checked), run locally.
+- :class:`~lightning_hier.layers.pooling.SlabPool2d`: max / average pooling the same way
+  (a -inf edge for max).
 - :class:`GatherSlabs`: the conv -> FC transition: all-gather the slabs over MODEL (then the
   wrapped ``Flatten`` / global pooling sees whole images, so the flatten order is unchanged).
 
@@ -23,11 +27,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from typing_extensions import override
 
-from lightning_hier.layers.collectives import all_reduce_sum, gather_along, halo_exchange, split_along
+from lightning_hier.layers.collectives import all_reduce_sum, gather_along, row_exchange, split_along
 from lightning_hier.layers.context import GridContext, ParamKind
+from lightning_hier.layers.heights import SlabHeights
+from lightning_hier.layers.rows import RowWindow, SlabPlan, even_shard_sizes, slab_plan, split_problems
 
 
-def _pair(value: int | tuple[int, ...]) -> tuple[int, int]:
+def pair(value: int | tuple[int, ...]) -> tuple[int, int]:
+    """``(H, W)`` of a size given as one int or a pair."""
     return (value, value) if isinstance(value, int) else (int(value[0]), int(value[1]))
 
 
@@ -37,50 +44,89 @@ def conv_padding(conv: nn.Conv2d) -> tuple[tuple[int, int], tuple[int, int]]:
         if conv.padding == "valid":
             return (0, 0), (0, 0)
         sides = []
-        for d, k in zip(_pair(conv.dilation), _pair(conv.kernel_size), strict=True):
+        for d, k in zip(pair(conv.dilation), pair(conv.kernel_size), strict=True):
             total = d * (k - 1)
             sides.append((total // 2, total - total // 2))  # as torch: the extra row goes last
         return sides[0], sides[1]
-    ph, pw = _pair(conv.padding)
+    ph, pw = pair(conv.padding)
     return (ph, ph), (pw, pw)
 
 
-class DomainConv2d(nn.Conv2d):
-    """``nn.Conv2d`` on slabs of rows, with a halo exchange (same parameters and state as Conv2d).
+def conv_window(conv: nn.Conv2d) -> RowWindow:
+    """The :class:`~lightning_hier.layers.rows.RowWindow` of ``conv`` along H."""
+    (top, bottom), _ = conv_padding(conv)
+    return RowWindow(conv.kernel_size[0], conv.stride[0], top, bottom, conv.dilation[0])
 
-    Supported along H (the split axis): zero padding, any kernel, stride and dilation for which
-    every slab produces exactly ``H_r / stride`` output rows from its own rows plus a halo of
-    ``top = padding`` rows from the slab above and ``bottom = max(0, k_eff - padding - stride)``
-    rows from the slab below (``k_eff = dilation * (k - 1) + 1``), each no larger than a slab.
-    That covers "same" convolutions of odd kernels (halo ``k // 2`` on both sides) and the usual
-    stride-2 downsampling (k=3, padding=1; k=1, padding=0). Anything else is rejected with the
-    reason. The W axis is not split, so anything goes there.
+
+def window_rows(x: Tensor, window: RowWindow, height: int, fill: float, grid: GridContext) -> tuple[Tensor, SlabPlan]:
+    """The input rows this rank's output rows read, padded with ``fill`` beyond the image's edges.
+
+    ``x`` is this rank's slab of an input of ``height`` global rows. A rank without output rows
+    gets one window of zeros (``window.reach`` rows): the caller computes on it and keeps none of
+    the result, so the layer's parameters still get their (zero) gradient here and the exchange's
+    backward, which other ranks wait for, still runs.
+    """
+    plan = slab_plan(window, height, grid.pr, grid.r)
+    rows = row_exchange(x, plan, grid)
+    if plan.out_rows == 0:
+        return F.pad(rows, (0, 0, 0, window.reach - rows.shape[2])), plan
+    if any(plan.pad):
+        rows = F.pad(rows, (0, 0, *plan.pad), value=fill)
+    return rows, plan
+
+
+def reject(owner: str, problems: list[str], grid: GridContext) -> None:
+    """Raise a ValueError naming ``owner`` if it has ``problems`` and must run on slabs (Pr > 1)."""
+    if grid.pr > 1 and problems:
+        raise ValueError(f"{owner} cannot run on slabs of image rows: {'; '.join(problems)}. Use Pr=1 for it.")
+
+
+class DomainConv2d(nn.Conv2d):
+    """``nn.Conv2d`` on slabs of rows, exchanging the rows its windows read (same parameters and state as Conv2d).
+
+    Any kernel, stride, dilation and zero padding along H (the split axis), any height and Pr:
+    slabs may be uneven, thinner than the kernel's reach (rows then come from several ranks) or
+    empty. The W axis is not split, so anything goes there. Only ``padding_mode='zeros'`` is
+    supported with Pr > 1 (the global edge is known only to the edge slabs).
 
     Args:
         grid: This rank's grid context.
         split_input: The input is whole images replicated over MODEL (the first domain layer):
             take this rank's slab first.
+        heights: The global heights shared by the network's domain layers (a private one if not given).
+        name: This layer's key in ``heights`` (its path in the network).
         *args, **kwargs: As ``nn.Conv2d``.
     """
 
     param_kind = ParamKind.PARTIAL
 
-    def __init__(self, *args: object, grid: GridContext, split_input: bool = False, **kwargs: object) -> None:
+    def __init__(
+        self,
+        *args: object,
+        grid: GridContext,
+        split_input: bool = False,
+        heights: SlabHeights | None = None,
+        name: str = "",
+        **kwargs: object,
+    ) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self.grid, self.split_input = grid, split_input
-        (top, bottom), self.pad_w = conv_padding(self)
-        if grid.pr > 1 and self.padding_mode != "zeros":
-            raise ValueError(
-                f"DomainConv2d: padding_mode={self.padding_mode!r} is not supported under a spatial split "
-                "(the global edge is known only to the edge slabs); use padding_mode='zeros' or Pr=1."
-            )
-        k_eff = self.dilation[0] * (self.kernel_size[0] - 1) + 1
-        self.halo = (top, max(0, k_eff - top - self.stride[0]))
-        self._torch_pad_h = (top, bottom)
-        self._checked: set[int] = set()
+        self.heights = heights if heights is not None else SlabHeights()
+        self.slab_name = name or f"conv@{id(self)}"
+        _, self.pad_w = conv_padding(self)
+        self.window = conv_window(self)
+        owner = f"DomainConv2d(kernel_size={self.kernel_size}, stride={self.stride}, padding={self.padding})"
+        reject(owner, split_problems(padding_mode=self.padding_mode), grid)
 
     @classmethod
-    def from_conv(cls, conv: nn.Conv2d, grid: GridContext, split_input: bool = False) -> DomainConv2d:
+    def from_conv(
+        cls,
+        conv: nn.Conv2d,
+        grid: GridContext,
+        split_input: bool = False,
+        heights: SlabHeights | None = None,
+        name: str = "",
+    ) -> DomainConv2d:
         w = conv.weight
         new = cls(
             conv.in_channels,
@@ -96,6 +142,8 @@ class DomainConv2d(nn.Conv2d):
             dtype=w.dtype,
             grid=grid,
             split_input=split_input,
+            heights=heights,
+            name=name,
         )
         new.load_state_dict(conv.state_dict())
         return new
@@ -118,42 +166,21 @@ class DomainConv2d(nn.Conv2d):
         conv.load_state_dict(self.state_dict())
         return conv
 
-    def check_height(self, height: int) -> None:
-        """Raise a ValueError naming the problem if images of ``height`` rows cannot be split over Pr."""
-        pr, stride = self.grid.pr, self.stride[0]
-        if pr == 1 or height in self._checked:
-            return
-        k_eff = self.dilation[0] * (self.kernel_size[0] - 1) + 1
-        top, bottom = self.halo
-        rows = height // pr
-        torch_out = (height + sum(self._torch_pad_h) - k_eff) // stride + 1
-        problem = None
-        if height % pr:
-            problem = f"the height {height} is not divisible by Pr={pr}"
-        elif rows % stride or torch_out * stride != height:
-            problem = f"slabs of {rows} rows do not map onto output rows of stride {stride} (output height {torch_out})"
-        elif max(top, bottom) > rows:
-            problem = f"the halo ({top} rows above, {bottom} below) is larger than a slab of {rows} rows"
-        if problem:
-            raise ValueError(
-                f"DomainConv2d(k={self.kernel_size}, stride={self.stride}, padding={self.padding}): {problem}. "
-                "Use a smaller Pr, an input whose height is a multiple of Pr * (total stride), or Pr=1."
-            )
-        self._checked.add(height)
-
     @override
     def forward(self, x: Tensor) -> Tensor:
         if self.grid.pr == 1:
             return super().forward(x)
         if self.split_input:
-            self.check_height(x.shape[2])
+            height = x.shape[2]
+            self.heights.start(x.shape[2:])
             x = split_along(x, 2, self.grid, "input_split")
         else:
-            self.check_height(x.shape[2] * self.grid.pr)
-        x = halo_exchange(x, self.halo[0], self.halo[1], self.grid)
+            height = self.heights.height(self.slab_name, x.shape[2], self.grid, x.device)
+        rows, plan = window_rows(x, self.window, height, 0.0, self.grid)
         if any(self.pad_w):
-            x = F.pad(x, self.pad_w)
-        return F.conv2d(x, self.weight, self.bias, self.stride, 0, self.dilation, self.groups)
+            rows = F.pad(rows, self.pad_w)
+        y = F.conv2d(rows, self.weight, self.bias, self.stride, 0, self.dilation, self.groups)
+        return y if plan.out_rows else y[:, :, :0]
 
 
 class GridBatchNorm2d(nn.BatchNorm2d):
@@ -167,15 +194,31 @@ class GridBatchNorm2d(nn.BatchNorm2d):
 
     param_kind = ParamKind.PARTIAL
 
-    def __init__(self, *args: object, grid: GridContext, **kwargs: object) -> None:
+    def __init__(
+        self, *args: object, grid: GridContext, heights: SlabHeights | None = None, name: str = "", **kwargs: object
+    ) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self.grid = grid
+        self.heights = heights if heights is not None else SlabHeights()
+        self.slab_name = name or f"bn@{id(self)}"
 
     @classmethod
-    def from_batchnorm(cls, bn: nn.BatchNorm2d, grid: GridContext) -> GridBatchNorm2d:
+    def from_batchnorm(
+        cls, bn: nn.BatchNorm2d, grid: GridContext, heights: SlabHeights | None = None, name: str = ""
+    ) -> GridBatchNorm2d:
         ref = bn.weight if bn.weight is not None else bn.running_mean
         kw = {"device": ref.device, "dtype": ref.dtype} if ref is not None else {}
-        new = cls(bn.num_features, bn.eps, bn.momentum, bn.affine, bn.track_running_stats, grid=grid, **kw)
+        new = cls(
+            bn.num_features,
+            bn.eps,
+            bn.momentum,
+            bn.affine,
+            bn.track_running_stats,
+            grid=grid,
+            heights=heights,
+            name=name,
+            **kw,
+        )
         new.load_state_dict(bn.state_dict())
         new.train(bn.training)
         return new
@@ -200,8 +243,9 @@ class GridBatchNorm2d(nn.BatchNorm2d):
         shift = self.running_mean.detach().to(x.dtype) if self.running_mean is not None else x.new_zeros(x.shape[1])
         xs = x - shift[None, :, None, None]
         local = torch.stack([xs.sum((0, 2, 3)), (xs * xs).sum((0, 2, 3))])
+        height = self.heights.height(self.slab_name, x.shape[2], self.grid, x.device)
         total = all_reduce_sum(local, self.grid, "bn_stats")
-        n = x.shape[0] * x.shape[2] * x.shape[3] * self.grid.pr
+        n = x.shape[0] * height * x.shape[3]
         mean_s = total[0] / n
         var = total[1] / n - mean_s * mean_s
         mean = mean_s + shift
@@ -222,52 +266,25 @@ class GridBatchNorm2d(nn.BatchNorm2d):
         self.running_var.lerp_((var * n / max(n - 1, 1)).to(self.running_var.dtype), factor)
 
 
-class SlabPool2d(nn.Module):
-    """A max / average pooling whose windows stay inside a slab (checked), run on each slab.
+class GatherSlabs(nn.Module):
+    """The conv -> FC transition: all-gather the slabs over MODEL, then run ``inner`` on whole images.
 
-    Supported along H: no padding, kernel (times dilation) no larger than the stride, and slab
-    heights divisible by the stride, e.g. the usual ``MaxPool2d(2)``. Overlapping windows would
-    need a halo padded with -inf; they are rejected with that reason.
+    Args:
+        inner: The ``Flatten`` or global pooling to run on whole images.
+        grid: This rank's grid context.
+        heights: The global heights shared by the network's domain layers (a private one if not given).
+        name: This layer's key in ``heights``.
     """
 
-    def __init__(self, inner: nn.MaxPool2d | nn.AvgPool2d, grid: GridContext) -> None:
+    def __init__(self, inner: nn.Module, grid: GridContext, heights: SlabHeights | None = None, name: str = "") -> None:
         super().__init__()
         self.inner, self.grid = inner, grid
-        k, s = _pair(inner.kernel_size), _pair(inner.stride or inner.kernel_size)
-        p = _pair(inner.padding)
-        d = _pair(getattr(inner, "dilation", 1))
-        self.stride_h = s[0]
-        if grid.pr > 1 and (p[0] != 0 or d[0] * (k[0] - 1) + 1 > s[0]):
-            raise ValueError(
-                f"{type(inner).__name__}(kernel_size={inner.kernel_size}, stride={inner.stride}, "
-                f"padding={inner.padding}): pooling windows overlap or are padded along H, so they would cross "
-                "slab boundaries; only non-overlapping, unpadded windows (e.g. MaxPool2d(2)) are supported "
-                "with Pr > 1."
-            )
-
-    def check_height(self, height: int) -> None:
-        """Raise a ValueError if images of ``height`` rows do not split into slabs of whole windows."""
-        if self.grid.pr > 1 and height % (self.grid.pr * self.stride_h):
-            raise ValueError(
-                f"{type(self.inner).__name__}: the height {height} is not a multiple of Pr * stride = "
-                f"{self.grid.pr} * {self.stride_h}, so slabs would not hold whole pooling windows."
-            )
-
-    @override
-    def forward(self, x: Tensor) -> Tensor:
-        self.check_height(x.shape[2] * self.grid.pr)
-        return self.inner(x)
-
-
-class GatherSlabs(nn.Module):
-    """The conv -> FC transition: all-gather the slabs over MODEL, then run ``inner`` on whole images."""
-
-    def __init__(self, inner: nn.Module, grid: GridContext) -> None:
-        super().__init__()
-        self.inner, self.grid = inner, grid
+        self.heights = heights if heights is not None else SlabHeights()
+        self.slab_name = name or f"gather@{id(self)}"
 
     @override
     def forward(self, x: Tensor) -> Tensor:
         if self.grid.pr > 1:
-            x = gather_along(x, 2, [x.shape[2]] * self.grid.pr, self.grid, "transition")
+            height = self.heights.height(self.slab_name, x.shape[2], self.grid, x.device)
+            x = gather_along(x, 2, even_shard_sizes(height, self.grid.pr), self.grid, "transition")
         return self.inner(x)

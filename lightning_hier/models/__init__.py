@@ -2,7 +2,26 @@
 
 from lightning_hier.models.classifier import Classifier
 from lightning_hier.models.networks import BasicBlock, cifar_resnet, mlp, resnet20, resnet56, small_cnn
+from lightning_hier.models.paper import alexnet, vgg16
 
-NETWORKS = {"mlp": mlp, "small_cnn": small_cnn, "resnet20": resnet20, "resnet56": resnet56}
+NETWORKS = {
+    "mlp": mlp,
+    "small_cnn": small_cnn,
+    "resnet20": resnet20,
+    "resnet56": resnet56,
+    "alexnet": alexnet,
+    "vgg16": vgg16,
+}
 
-__all__ = ["NETWORKS", "BasicBlock", "Classifier", "cifar_resnet", "mlp", "resnet20", "resnet56", "small_cnn"]
+__all__ = [
+    "NETWORKS",
+    "BasicBlock",
+    "Classifier",
+    "alexnet",
+    "cifar_resnet",
+    "mlp",
+    "resnet20",
+    "resnet56",
+    "small_cnn",
+    "vgg16",
+]

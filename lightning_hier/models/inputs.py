@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from lightning_hier.models.networks import cifar_resnet, mlp, resnet20, resnet56, small_cnn
+from lightning_hier.models.paper import alexnet, vgg16
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,8 @@ NETWORK_INPUTS: dict[Callable[..., nn.Module], InputSpec] = {
     cifar_resnet: _IMAGE,
     resnet20: _IMAGE,
     resnet56: _IMAGE,
+    alexnet: InputSpec("image input (C, H, W), e.g. (3, 227, 227)", (3, 227, 227), dims=3),
+    vgg16: InputSpec("image input (C, H, W), e.g. (3, 224, 224)", (3, 224, 224), dims=3),
 }
 """Input of the reference networks, by factory function."""
 

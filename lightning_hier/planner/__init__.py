@@ -36,7 +36,15 @@ from lightning_hier.planner.cost import (
 )
 from lightning_hier.planner.measure import measure_link, measure_links
 from lightning_hier.planner.networks import alexnet_layers, model_layers, vgg16_layers
-from lightning_hier.planner.plan import GridPlan, bandwidth_optimal_pr, best_grid, format_table, plan_grids
+from lightning_hier.planner.plan import (
+    GridPlan,
+    bandwidth_optimal_pr,
+    best_grid,
+    cheapest,
+    format_table,
+    model_best,
+    plan_grids,
+)
 
 __all__ = [
     "REFERENCE_LINK",
@@ -55,10 +63,12 @@ __all__ = [
     "alexnet_layers",
     "bandwidth_optimal_pr",
     "best_grid",
+    "cheapest",
     "format_table",
     "layer_cost",
     "measure_link",
     "measure_links",
+    "model_best",
     "model_layers",
     "network_cost",
     "plan_grids",

@@ -6,11 +6,19 @@ import argparse
 from collections.abc import Sequence
 
 from lightning_hier.models.networks import mlp, resnet20, resnet56, small_cnn
+from lightning_hier.models.paper import alexnet, vgg16
 from lightning_hier.planner.cost import Layer, Link
 from lightning_hier.planner.networks import alexnet_layers, vgg16_layers
 from lightning_hier.planner.plan import format_table, plan_grids
 
-OUR_MODELS = {"mlp": mlp, "small_cnn": small_cnn, "resnet20": resnet20, "resnet56": resnet56}
+OUR_MODELS = {
+    "mlp": mlp,
+    "small_cnn": small_cnn,
+    "resnet20": resnet20,
+    "resnet56": resnet56,
+    "alexnet-net": alexnet,  # the nn.Module (with its pools), traced on --input-shape
+    "vgg16-net": vgg16,
+}
 REFERENCE_MODELS = ("alexnet", "alexnet-fc", "vgg16")
 
 

@@ -8,6 +8,7 @@ section 5 (the counting conventions). With ``n`` the size of the full result and
     FC layer i:   AG(b d_i, Pr) + AR(b d_{i-1}, Pr) [not for the first layer] + AR(|W_i| / Pr, Pc)
     conv layer:   halo of n = b C_in W_in floor(k/2) words per message, 2 messages (first layer)
                   or 4 (forward and backward) when Pr > 1 and k > 1, + AR(|W_i|, P)
+    pooling:      (added) the rows its windows read across a slab boundary, as a convolution's
     conv -> FC:   AG(b d_in(fc6), Pr)
 
 |W| counts the bias. Terms this implementation adds for layers the paper's networks do not have:
@@ -19,16 +20,23 @@ Two conventions:
 
 - ``rank=None`` (the paper's; used for planning and the reference values): every slab has two
   neighbours, halos are ``floor(k/2)`` rows, shards are ``|W| / Pr``.
-- ``rank=r`` (exactly what rank (r, c) of :mod:`lightning_hier.layers` sends): edge slabs have
-  one neighbour, halos are the layer's actual rows (``padding`` above,
-  ``max(0, k_eff - padding - stride)`` below), shards and the padded all-gather of uneven
-  ``out_features`` are counted as they are. Use it to check measured bytes per step.
+- ``rank=r`` (exactly what rank (r, c) of :mod:`lightning_hier.layers` sends): the rows each
+  rank sends and receives come from :func:`lightning_hier.layers.rows.slab_plan`, the plan the
+  layers execute (edge slabs, uneven and empty slabs, windows wider than a slab); shards and the
+  padded all-gathers of uneven ``out_features`` and slabs are counted as they are. Use it to
+  check measured bytes per step.
+
+What the implementation can run is a separate question from what a grid costs:
+:func:`grid_problems` asks :func:`lightning_hier.layers.rows.split_problems`, the check the
+layers themselves raise, so the planner and the layers agree on feasibility.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from math import ceil, log2
+
+from lightning_hier.layers.rows import RowWindow, slab_plan, split_problems
 
 # which group carries each kind of communication (for per-group alpha / beta)
 KIND_GROUP = {
@@ -85,7 +93,7 @@ class FCLayer:
 
 @dataclass(frozen=True)
 class ConvLayer:
-    """A convolution on ``c_in x h x w`` inputs (``padding`` defaults to ``k // 2``)."""
+    """A convolution on ``c_in x h x w`` inputs (``padding`` defaults to ``k // 2``, ``pad_bottom`` to ``padding``)."""
 
     c_in: int
     h: int
@@ -100,16 +108,30 @@ class ConvLayer:
     bias: bool = True
     splits_input: bool = False
     name: str = ""
+    pad_bottom: int | None = None
+    padding_mode: str = "zeros"
 
     @property
     def params(self) -> int:
         return self.c_out * (self.c_in // self.groups) * self.k * (self.kw or self.k) + (self.c_out if self.bias else 0)
 
-    def halo_rows(self) -> tuple[int, int]:
-        """Rows this layer needs from the slab above and below (the implementation's)."""
+    @property
+    def window(self) -> RowWindow:
+        """The layer's window along H (the one :class:`~lightning_hier.layers.DomainConv2d` uses)."""
         top = self.k // 2 if self.padding is None else self.padding
-        k_eff = self.dilation * (self.k - 1) + 1
-        return top, max(0, k_eff - top - self.stride)
+        return RowWindow(self.k, self.stride, top, top if self.pad_bottom is None else self.pad_bottom, self.dilation)
+
+    @property
+    def channels(self) -> int:
+        return self.c_in
+
+    def problems(self) -> list[str]:
+        """Why it cannot run on slabs (:func:`~lightning_hier.layers.rows.split_problems`)."""
+        return split_problems(padding_mode=self.padding_mode)
+
+    def halo_rows(self) -> tuple[int, int]:
+        """Rows this layer needs from the slab above and below on equal slabs thicker than its reach."""
+        return self.window.halo()
 
 
 @dataclass(frozen=True)
@@ -129,21 +151,56 @@ class BNLayer:
 
 @dataclass(frozen=True)
 class PoolLayer:
-    """A pooling layer (no communication; constrains the slab heights)."""
+    """A max / average pooling on ``c x h x w`` inputs (no parameters; exchanges rows where windows overlap).
+
+    ``kernel`` 0 means ``stride`` (non-overlapping windows); ``c`` and ``w`` 0 mean unknown (no
+    words counted).
+    """
 
     h: int
     stride: int
     name: str = ""
     params: int = 0
+    kernel: int = 0
+    padding: int = 0
+    dilation: int = 1
+    c: int = 0
+    w: int = 0
+    ceil_mode: bool = False
+    count_include_pad: bool = True
+    return_indices: bool = False
+
+    @property
+    def window(self) -> RowWindow:
+        """The layer's window along H (the one :class:`~lightning_hier.layers.SlabPool2d` uses)."""
+        return RowWindow(self.kernel or self.stride, self.stride, self.padding, self.padding, self.dilation)
+
+    @property
+    def channels(self) -> int:
+        return self.c
+
+    def problems(self) -> list[str]:
+        """Why it cannot run on slabs (:func:`~lightning_hier.layers.rows.split_problems`)."""
+        return split_problems(
+            ceil_mode=self.ceil_mode,
+            count_include_pad=self.count_include_pad,
+            pad_rows=self.padding,
+            return_indices=self.return_indices,
+        )
+
+    def halo_rows(self) -> tuple[int, int]:
+        """Rows this layer needs from the slab above and below on equal slabs thicker than its reach."""
+        return self.window.halo()
 
 
 @dataclass(frozen=True)
 class Transition:
-    """The conv -> FC transition: gather ``words`` per sample (``C * H * W``) over MODEL."""
+    """The conv -> FC transition: gather ``words`` per sample (``C * H * W``) over MODEL (``h``: H, 0 if unknown)."""
 
     words: int
     name: str = ""
     params: int = 0
+    h: int = 0
 
 
 @dataclass(frozen=True)
@@ -241,9 +298,11 @@ def layer_cost(layer: Layer, pr: int, pc: int, batch: float, input_grad: bool, r
         else:
             shard = (layer.d_out // pr + (rank < layer.d_out % pr)) * (layer.d_in + layer.bias)
         cost.all_reduce("grad_batch", shard, pc)
-    elif isinstance(layer, ConvLayer):
+    elif isinstance(layer, ConvLayer | PoolLayer):
         if pr > 1:
             _halo(cost, layer, pr, b, input_grad, rank)
+        if pr > 1 and isinstance(layer, ConvLayer) and layer.splits_input and input_grad:
+            _slab_gather(cost, "input_split", b * layer.c_in * layer.w, layer.h, pr, rank)
         cost.all_reduce("grad_grid", layer.params, p)
     elif isinstance(layer, BNLayer):
         if pr > 1:
@@ -252,27 +311,32 @@ def layer_cost(layer: Layer, pr: int, pc: int, batch: float, input_grad: bool, r
                 cost.all_reduce("bn_stats", 2 * layer.c, pr)
         cost.all_reduce("grad_grid", layer.params, p)
     elif isinstance(layer, Transition):
-        cost.all_gather("transition", b * layer.words, pr)
+        if layer.h:
+            _slab_gather(cost, "transition", b * layer.words / layer.h, layer.h, pr, rank)
+        else:
+            cost.all_gather("transition", b * layer.words, pr)
     elif isinstance(layer, ReplicatedLayer):
         cost.all_reduce("grad_batch", layer.params, pc)
     return cost
 
 
-def _halo(cost: Cost, layer: ConvLayer, pr: int, b: float, input_grad: bool, rank: int | None) -> None:
-    row = b * layer.c_in * layer.w  # words of one image row of the batch block
+def _halo(cost: Cost, layer: ConvLayer | PoolLayer, pr: int, b: float, input_grad: bool, rank: int | None) -> None:
+    row = b * layer.channels * layer.w  # words of one image row of the batch block
     if rank is None:
-        if layer.k > 1:
-            messages = 4 if input_grad else 2
-            cost.add("halo", messages, messages * row * (layer.k // 2))
+        # the paper's convention: two neighbours per slab; a convolution's halo is floor(k/2)
+        # rows, a pooling's the rows its windows read across a boundary of equal slabs
+        top, bottom = (layer.k // 2,) * 2 if isinstance(layer, ConvLayer) else layer.halo_rows()
+        sides = [n for n in (top, bottom) if n] * (2 if input_grad else 1)
+        cost.add("halo", len(sides), row * sum(sides))
         return
-    top, bottom = layer.halo_rows()
-    up, down = rank > 0, rank < pr - 1
-    sends = [bottom if up else 0, top if down else 0]  # forward: the rows each neighbour needs
-    if input_grad:
-        sends += [top if up else 0, bottom if down else 0]  # backward: halo gradients sent home
-    cost.add("halo", sum(1 for s in sends if s), row * sum(sends))
-    if layer.splits_input and input_grad:
-        cost.all_gather("input_split", b * layer.c_in * layer.h * layer.w, pr)
+    plan = slab_plan(layer.window, layer.h, pr, rank)
+    pieces = list(plan.send) + (list(plan.recv) if input_grad else [])  # forward: rows sent; backward: their grads
+    cost.add("halo", len(pieces), row * sum(stop - start for _, start, stop in pieces))
+
+
+def _slab_gather(cost: Cost, kind: str, row: float, h: int, pr: int, rank: int | None) -> None:
+    """An all-gather of ``h`` rows of ``row`` words split over MODEL (padded to the largest slab when exact)."""
+    cost.all_gather(kind, row * (h if rank is None else ceil(h / pr) * pr), pr)
 
 
 def network_cost(
@@ -302,11 +366,11 @@ def memory_bytes(layers: list[Layer], pr: int, pc: int, batch: float, word_bytes
     return word_bytes * (copies * params + acts)
 
 
-def grid_problems(layers: list[Layer], pr: int, slab_min_kernel: bool = True) -> list[str]:
-    """Why the layers cannot be split over ``pr`` MODEL ranks (empty when they can).
+def grid_problems(layers: list[Layer], pr: int) -> list[str]:
+    """Why the implementation cannot split these layers over ``pr`` MODEL ranks (empty when it can).
 
-    Slabs must be equal (``h % pr == 0``), hold whole strides and pooling windows, and (the
-    planner's efficiency rule, ``slab_min_kernel``) keep at least ``k`` rows per convolution.
+    The layers run on any height and Pr (uneven, thin and empty slabs); what remains are layers
+    that cannot run on slabs at all, decided by the checks the layers themselves raise.
     """
     if pr == 1:
         return []
@@ -315,10 +379,15 @@ def grid_problems(layers: list[Layer], pr: int, slab_min_kernel: bool = True) ->
         label = f"layer {layer.name}" if layer.name else type(layer).__name__
         if isinstance(layer, UnsupportedLayer):
             out.append(f"{label}: {layer.reason}")
-        elif isinstance(layer, ConvLayer | BNLayer | PoolLayer):
-            stride = layer.stride if isinstance(layer, ConvLayer | PoolLayer) else 1
-            if layer.h % (pr * stride):
-                out.append(f"{label}: height {layer.h} is not a multiple of Pr x stride = {pr} x {stride}")
-            elif isinstance(layer, ConvLayer) and slab_min_kernel and layer.h // pr < layer.k:
-                out.append(f"{label}: slabs of {layer.h // pr} rows are thinner than the kernel ({layer.k})")
+        elif isinstance(layer, ConvLayer | PoolLayer):
+            out += [f"{label}: {problem}" for problem in layer.problems()]
     return out
+
+
+def thin_slabs(layers: list[Layer], pr: int) -> list[str]:
+    """Convolutions whose slabs would be thinner than their kernel on ``pr`` ranks (an efficiency rule, not a limit)."""
+    return [
+        f"layer {layer.name or 'ConvLayer'}: slabs of {layer.h // pr} rows are thinner than the kernel ({layer.k})"
+        for layer in layers
+        if pr > 1 and isinstance(layer, ConvLayer) and layer.h // pr < layer.k
+    ]

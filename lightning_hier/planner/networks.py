@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from lightning_hier.layers.convert import Role, classify, trace_shapes
+from lightning_hier.layers.pooling import pool_window
 from lightning_hier.layers.spatial import conv_padding
 from lightning_hier.planner.cost import (
     BNLayer,
@@ -91,10 +92,9 @@ def model_layers(module: nn.Module, input_shape: Sequence[int]) -> list[Layer]:
         elif isinstance(m, nn.BatchNorm2d) and role is Role.BATCHNORM:
             layers.append(BNLayer(ins[1], ins[2], ins[3], m.affine, name=path))
         elif isinstance(m, nn.MaxPool2d | nn.AvgPool2d) and role is Role.POOL:
-            stride = m.stride or m.kernel_size
-            layers.append(PoolLayer(ins[2], stride if isinstance(stride, int) else stride[0], name=path))
+            layers.append(_pool(m, ins, path))
         elif role is Role.TRANSITION:
-            layers.append(Transition(prod(ins[1:]), name=path))
+            layers.append(Transition(prod(ins[1:]), name=path, h=ins[2] if len(ins) == 4 else 0))
         elif role is Role.UNSUPPORTED:
             layers.append(UnsupportedLayer(reason, name=path, params=params))
         elif params:
@@ -103,7 +103,7 @@ def model_layers(module: nn.Module, input_shape: Sequence[int]) -> list[Layer]:
 
 
 def _conv(m: nn.Conv2d, ins: torch.Size, first: bool, path: str) -> ConvLayer:
-    (top, _), _ = conv_padding(m)
+    (top, bottom), _ = conv_padding(m)
     return ConvLayer(
         c_in=ins[1],
         h=ins[2],
@@ -118,4 +118,23 @@ def _conv(m: nn.Conv2d, ins: torch.Size, first: bool, path: str) -> ConvLayer:
         bias=m.bias is not None,
         splits_input=first,
         name=path,
+        pad_bottom=bottom,
+        padding_mode=m.padding_mode,
+    )
+
+
+def _pool(m: nn.MaxPool2d | nn.AvgPool2d, ins: torch.Size, path: str) -> PoolLayer:
+    window = pool_window(m)
+    return PoolLayer(
+        h=ins[2],
+        stride=window.stride,
+        name=path,
+        kernel=window.kernel,
+        padding=window.pad_top,
+        dilation=window.dilation,
+        c=ins[1],
+        w=ins[3],
+        ceil_mode=bool(m.ceil_mode),
+        count_include_pad=bool(getattr(m, "count_include_pad", True)),
+        return_indices=bool(getattr(m, "return_indices", False)),
     )

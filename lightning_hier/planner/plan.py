@@ -19,6 +19,7 @@ from lightning_hier.planner.cost import (
     grid_problems,
     memory_bytes,
     network_cost,
+    thin_slabs,
 )
 from lightning_hier.planner.networks import model_layers
 from lightning_hier.topology import factorizations
@@ -28,7 +29,11 @@ BatchScope = Literal["global", "replica"]
 
 @dataclass(frozen=True)
 class GridPlan:
-    """One candidate grid: its predicted communication and whether it is feasible.
+    """One candidate grid: what the cost model predicts, and why it may be excluded.
+
+    The cost is the model's, computed for every grid; three separate lists say why a grid is
+    excluded: the model does not define it, the implementation cannot run it (the layers' own
+    checks), or it breaks a limit the caller set.
 
     Attributes:
         pr, pc: The grid (MODEL x BATCH).
@@ -36,7 +41,9 @@ class GridPlan:
         cost: Messages and words per process, by kind.
         time_s: Predicted communication seconds per step.
         memory_bytes: Rough per-process memory estimate.
-        problems: Why the grid is infeasible (empty when it is feasible).
+        undefined: Why the model has no such grid (``Pc > B``, ``B`` not divisible by ``Pc``).
+        unsupported: Why the implementation cannot run it (:func:`~lightning_hier.planner.cost.grid_problems`).
+        excluded: The caller's limits it breaks (``max_model``, memory, ``slab_min_kernel``).
     """
 
     pr: int
@@ -45,7 +52,14 @@ class GridPlan:
     cost: Cost
     time_s: float
     memory_bytes: float
-    problems: tuple[str, ...] = ()
+    undefined: tuple[str, ...] = ()
+    unsupported: tuple[str, ...] = ()
+    excluded: tuple[str, ...] = ()
+
+    @property
+    def problems(self) -> tuple[str, ...]:
+        """Every reason the grid is excluded, the model's first."""
+        return self.undefined + self.unsupported + self.excluded
 
     @property
     def feasible(self) -> bool:
@@ -82,7 +96,7 @@ def plan_grids(
     max_model: int | None = None,
     memory_limit_bytes: float | None = None,
     first_input_grad: bool = False,
-    slab_min_kernel: bool = True,
+    slab_min_kernel: bool = False,
 ) -> list[GridPlan]:
     """Every factorisation ``Pr x Pc = world_size`` with its predicted communication.
 
@@ -99,27 +113,27 @@ def plan_grids(
         memory_limit_bytes: Reject grids whose :func:`memory_bytes` estimate exceeds this.
         first_input_grad: The first layer's input needs a gradient (a slice of a network, such
             as AlexNet's FC layers evaluated alone).
-        slab_min_kernel: Require slabs of at least ``k`` rows per convolution (the planner's
-            efficiency rule; the layers themselves only need the halo to fit in a slab).
+        slab_min_kernel: Exclude grids whose slabs are thinner than a convolution's kernel (an
+            efficiency rule of the caller's; the layers run on any slab, even an empty one).
     """
     layers = as_layers(model, input_shape)
     plans = []
     for pr, pc in factorizations(world_size):
         batch = float(batch_size * pc if batch_scope == "replica" else batch_size)
-        problems = []
-        if max_model is not None and pr > max_model:
-            problems.append(f"Pr={pr} > max_model={max_model}")
+        undefined = []
         if batch_scope == "global" and pc > batch_size:
-            problems.append(f"Pc={pc} > B={batch_size}: some batch blocks would be empty")
+            undefined.append(f"Pc={pc} > B={batch_size}: some batch blocks would be empty")
         elif batch_scope == "global" and batch_size % pc:
-            problems.append(f"B={batch_size} is not divisible by Pc={pc}")
-        problems += grid_problems(layers, pr, slab_min_kernel)
+            undefined.append(f"B={batch_size} is not divisible by Pc={pc}")
         cost = network_cost(layers, pr, pc, batch, first_input_grad)
         memory = memory_bytes(layers, pr, pc, batch)
+        excluded = [f"Pr={pr} > max_model={max_model}"] if max_model is not None and pr > max_model else []
+        excluded += thin_slabs(layers, pr) if slab_min_kernel else []
         if memory_limit_bytes is not None and memory > memory_limit_bytes:
-            problems.append(f"needs ~{memory / 2**20:.0f} MiB > limit {memory_limit_bytes / 2**20:.0f} MiB")
+            excluded.append(f"needs ~{memory / 2**20:.0f} MiB > limit {memory_limit_bytes / 2**20:.0f} MiB")
         link = links(pr, pc) if callable(links) else links
-        plans.append(GridPlan(pr, pc, batch, cost, cost.time(link), memory, tuple(problems)))
+        reasons = (tuple(undefined), tuple(grid_problems(layers, pr)), tuple(excluded))
+        plans.append(GridPlan(pr, pc, batch, cost, cost.time(link), memory, *reasons))
     return plans
 
 
@@ -136,8 +150,18 @@ def best_grid(model: nn.Module | Sequence[Layer], batch_size: int, world_size: i
     if not feasible:
         reasons = "; ".join(f"{p.pr}x{p.pc}: {p.problems[0]}" for p in plans)
         raise ValueError(f"planner: no feasible grid for P={world_size}, batch {batch_size}: {reasons}")
-    per_sample = kwargs.get("batch_scope") == "replica"
-    return min(feasible, key=lambda p: (p.time_s / p.batch if per_sample else p.time_s, -p.pc))
+    return cheapest(feasible)
+
+
+def cheapest(plans: Sequence[GridPlan]) -> GridPlan:
+    """The plan with the least predicted time (per sample when their batches differ); ties to the larger Pc."""
+    per_sample = len({p.batch for p in plans}) > 1  # 'replica' scope
+    return min(plans, key=lambda p: (p.time_s / p.batch if per_sample else p.time_s, -p.pc))
+
+
+def model_best(plans: Sequence[GridPlan]) -> GridPlan:
+    """The cheapest grid the cost model defines, whatever the implementation or the limits say."""
+    return cheapest([p for p in plans if not p.undefined])
 
 
 def bandwidth_optimal_pr(layers: Sequence[Layer], batch_size: int, world_size: int) -> float:
@@ -150,12 +174,8 @@ def bandwidth_optimal_pr(layers: Sequence[Layer], batch_size: int, world_size: i
 
 def format_table(plans: Sequence[GridPlan], title: str = "") -> str:
     """A text table of candidate grids: messages, words per process, predicted time, memory."""
-    per_sample = len({p.batch for p in plans}) > 1  # 'replica' scope: compare time per sample
-    best = min(
-        (p for p in plans if p.feasible),
-        key=lambda p: (p.time_s / p.batch if per_sample else p.time_s, -p.pc),
-        default=None,
-    )
+    feasible = [p for p in plans if p.feasible]
+    best = cheapest(feasible) if feasible else None
     head = (
         f"{'grid Pr x Pc':>13} {'B':>7} {'messages':>9} {'words/process':>14} {'time ms':>10} {'memory MiB':>11}  note"
     )

@@ -115,3 +115,14 @@ def test_the_reported_command_trains(tmp_path):
     )
     summary = run(cfg, str(tmp_path))
     assert summary.epochs == 1 and summary.val_acc is not None
+
+
+@pytest.mark.parametrize(("experiment", "shape"), [("grid2d_alexnet", (3, 227, 227)), ("grid2d_vgg16", (3, 224, 224))])
+def test_the_papers_whole_networks_in_the_grid2d_recipe_fit_their_data(experiment, shape):
+    """recipes/grid2d: whole AlexNet and VGG-16 (reduced width) on synthetic images of the paper's size, Pr = 2."""
+    recipes = CONF.parent / "recipes" / "grid2d"
+    cfg = compose_cfg(f"hydra.searchpath=[file://{recipes}]", f"experiment={experiment}")
+    assert tuple(cfg.strategy.grid) == (2, 1) and cfg.trainer.devices == 2
+    dm = build_datamodule(cfg)
+    assert dm.input_shape == shape
+    build_module(cfg, dm)  # builds the network and checks one batch of zeros

@@ -16,6 +16,7 @@ from lightning_hier.layers import (
     GridLinear,
     ParamKind,
     Role,
+    RowWindow,
     SlabPool2d,
     classify,
     even_shard_sizes,
@@ -24,6 +25,7 @@ from lightning_hier.layers import (
     load_full_state_dict,
     parameter_kinds,
     replicated_leaves,
+    slab_plan,
     to_grid,
     to_ordinary,
     trace_shapes,
@@ -78,14 +80,40 @@ def test_shards_have_tensor_split_sizes():
         assert even_shard_sizes(n, p) == [len(t) for t in torch.arange(n).tensor_split(p)]
 
 
-def test_halo_rows_of_supported_convolutions():
+def test_row_windows_of_convolutions():
     g = GridContext()
-    halo = lambda **kw: DomainConv2d.from_conv(nn.Conv2d(2, 2, **kw), g).halo  # noqa: E731
-    assert halo(kernel_size=1) == (0, 0)
-    assert halo(kernel_size=3, padding=1) == (1, 1)
-    assert halo(kernel_size=5, padding=2) == (2, 2)
-    assert halo(kernel_size=3, padding=1, stride=2) == (1, 0)
-    assert halo(kernel_size=3, padding="same", dilation=2) == (2, 2)
+    window = lambda **kw: DomainConv2d.from_conv(nn.Conv2d(2, 2, **kw), g).window  # noqa: E731
+    assert window(kernel_size=1) == RowWindow(1)
+    assert window(kernel_size=3, padding=1) == RowWindow(3, 1, 1, 1)
+    assert window(kernel_size=11, stride=4) == RowWindow(11, 4)
+    assert window(kernel_size=4, padding="same", dilation=2) == RowWindow(4, 1, 3, 3, 2)
+    assert window(kernel_size=4, padding="same") == RowWindow(4, 1, 1, 2)  # as torch: the extra row goes last
+
+
+def test_slab_plans_cover_every_window_and_agree_between_ranks():
+    """Every rank's received pieces and own rows tile exactly the rows its window reads; what r sends q, q receives."""
+    windows = [RowWindow(11, 4), RowWindow(3, 2), RowWindow(3, 2, 1, 1), RowWindow(7, 2, 3, 3), RowWindow(1, 2)]
+    windows += [RowWindow(5, 1, 2, 2), RowWindow(3, 1, 2, 2, 2), RowWindow(2, 2)]
+    for window in windows:
+        for height in [1, 2, 5, 7, 13, 27, 28, 55, 224, 227]:
+            for pr in [1, 2, 3, 4, 8, 16]:
+                if window.out_height(height) < 1:
+                    continue
+                plans = [slab_plan(window, height, pr, r) for r in range(pr)]
+                assert [p.out for p in plans] == [
+                    (sum(len(t) for t in torch.arange(window.out_height(height)).tensor_split(pr)[:r]),) * 1
+                    + (sum(len(t) for t in torch.arange(window.out_height(height)).tensor_split(pr)[: r + 1]),)
+                    for r in range(pr)
+                ]
+                for p in plans:
+                    lo, hi = window.rows_needed(*p.out)
+                    assert (p.read[0] - p.pad[0], p.read[1] + p.pad[1]) == ((lo, hi) if hi > lo else (0, 0))
+                    mine = (max(p.read[0], p.own[0]), min(p.read[1], p.own[1]))
+                    pieces = sorted([(a, b) for _, a, b in p.recv] + ([mine] if mine[0] < mine[1] else []))
+                    rows = [row for a, b in pieces for row in range(a, b)]
+                    assert rows == list(range(*p.read)), (window, height, pr, p)
+                    for q, a, b in p.send:
+                        assert (p.rank, a, b) in plans[q].recv
 
 
 def test_comm_stats_round_trip_and_older_states():

@@ -1,10 +1,14 @@
 """The cost model against the paper's formulas and the reference values of docs/algorithms.md; grid constraints."""
 
+import re
 from math import ceil, log2
 
 import pytest
+from torch import nn
 
-from lightning_hier.models import mlp, resnet20, small_cnn
+from lightning_hier.layers import DomainConv2d, GridContext, SlabPool2d
+from lightning_hier.layers.pooling import pool_problems
+from lightning_hier.models import alexnet, mlp, resnet20, small_cnn
 from lightning_hier.planner import (
     REFERENCE_LINK,
     BNLayer,
@@ -23,6 +27,7 @@ from lightning_hier.planner import (
     vgg16_layers,
 )
 from lightning_hier.planner.__main__ import main
+from lightning_hier.planner.plan import model_best
 
 A, BETA = 2e-6, 4e-10
 
@@ -82,14 +87,54 @@ def test_bandwidth_only_optimum_is_near_the_best_grid():
 def test_constraints():
     conv = [ConvLayer(3, 8, 8, 4, 3), PoolLayer(8, 2), Transition(4 * 4 * 4), FCLayer(64, 10)]
     p = _plans(conv, 6, 4)
-    assert "not divisible by Pc=4" in p[(1, 4)].problems[0]
-    assert "thinner than the kernel" in p[(4, 1)].problems[0]  # 2-row slabs, k = 3
-    assert p[(2, 2)].feasible
-    assert "Pr=2 > max_model=1" in _plans(conv, 8, 4, max_model=1)[(2, 2)].problems[0]
+    assert "not divisible by Pc=4" in p[(1, 4)].problems[0] and p[(1, 4)].undefined
+    assert p[(4, 1)].feasible and p[(2, 2)].feasible  # 2-row slabs of a 3x3 convolution run
+    thin = _plans(conv, 6, 4, slab_min_kernel=True)[(4, 1)]
+    assert thin.excluded == ("layer ConvLayer: slabs of 2 rows are thinner than the kernel (3)",)
+    assert "Pr=2 > max_model=1" in _plans(conv, 8, 4, max_model=1)[(2, 2)].excluded[0]
     limited = _plans(conv, 8, 4, memory_limit_bytes=1.0)
     assert all("MiB > limit" in plan.problems[-1] for plan in limited.values())
     with pytest.raises(ValueError, match="no feasible grid for P=4"):
         best_grid(conv, 8, 4, memory_limit_bytes=1.0)
+
+
+def test_what_cannot_run_on_slabs_is_the_layers_own_check():
+    """The planner's reasons are the ones the layers raise (one source of truth)."""
+    odd = [
+        ConvLayer(3, 8, 8, 4, 3, padding_mode="circular", name="c"),
+        PoolLayer(8, 2, kernel=3, ceil_mode=True, name="p"),
+        Transition(4 * 4 * 4),
+        FCLayer(64, 10),
+    ]
+    p = _plans(odd, 8, 4)
+    assert p[(1, 4)].feasible and not p[(2, 2)].undefined
+    assert p[(2, 2)].unsupported == (
+        "layer c: padding_mode='circular' (only 'zeros' is supported on slabs)",
+        "layer p: ceil_mode=True (a partial last window is not supported on slabs)",
+    )
+    grid = GridContext(pr=2, model_group=object(), model_ranks=(0, 1))  # construction only: no collective
+    with pytest.raises(ValueError, match=re.escape(p[(2, 2)].unsupported[1].removeprefix("layer p: "))):
+        SlabPool2d(nn.MaxPool2d(3, 2, ceil_mode=True), grid)
+    with pytest.raises(ValueError, match=re.escape(p[(2, 2)].unsupported[0].removeprefix("layer c: "))):
+        DomainConv2d(3, 4, 3, padding=1, padding_mode="circular", grid=grid)
+    for pool in (nn.MaxPool2d(3, 2, ceil_mode=True), nn.AvgPool2d(3, 2, 1, count_include_pad=False)):
+        traced = model_layers(nn.Sequential(nn.Conv2d(1, 1, 1), pool, nn.Flatten()), (1, 8, 8))[1]
+        assert traced.problems() == pool_problems(pool) != []
+    assert PoolLayer(8, 2, return_indices=True).problems() == pool_problems(nn.MaxPool2d(2, return_indices=True))
+
+
+@pytest.mark.parametrize("batch", [256, 2048])
+def test_whole_alexnet_has_domain_parallel_grids_and_the_planner_picks_the_models_best(batch):
+    """Issue 17: whole AlexNet (the paper's layers, and the nn.Module with its overlapping pools) at P = 8..512."""
+    traced = model_layers(alexnet(), (3, 227, 227))
+    for layers in (alexnet_layers(), traced):
+        for world in [2**i for i in range(3, 10)]:
+            plans = plan_grids(layers, batch, world)
+            assert any(p.feasible and p.pr > 1 for p in plans), (batch, world)
+            assert not any(p.unsupported for p in plans)
+            assert best_grid(layers, batch, world).grid == model_best(plans).grid
+    assert model_best(plan_grids(alexnet_layers(), 2048, 512)).grid == (16, 32)
+    assert round(best_grid(alexnet_layers(), 2048, 512).time_s * 1e3, 1) == 9.5
 
 
 def test_exact_convention_counts_edge_slabs_and_uneven_shards():
@@ -118,7 +163,7 @@ def test_model_layers_trace_our_networks():
     kinds = [type(layer).__name__ for layer in layers]
     assert kinds == ["ConvLayer", "BNLayer", "PoolLayer"] * 2 + ["Transition", "FCLayer", "FCLayer"]
     assert layers[0].splits_input and not layers[3].splits_input
-    assert layers[6] == Transition(64 * 8 * 8, name="2.0")
+    assert layers[6] == Transition(64 * 8 * 8, name="2.0", h=8)
     res = model_layers(resnet20((3, 32, 32), 10), (3, 32, 32))
     assert sum(isinstance(layer, ConvLayer) for layer in res) == 19 and isinstance(res[-2], Transition)
     assert network_cost(res, 1, 4, 128).words == pytest.approx(2 * 0.75 * sum(layer.params for layer in res))
