@@ -80,6 +80,7 @@ from typing_extensions import override
 from lightning_hier import _validate as v
 from lightning_hier.algorithms.averaging import float_buffers
 from lightning_hier.algorithms.decoupled import (
+    ORDERS,
     SCHEDULES,
     WEIGHTS,
     DecoupledPipeline,
@@ -115,9 +116,16 @@ class DecoupledStrategy(HierStrategy):
             stages by measured per-block time.
         schedule: ``'fdg'`` (fully decoupled, staleness ``2(K-1-k)``), ``'ddg'`` (locked forward,
             ``K-1-k``) or ``'sync'`` (no staleness: plain backpropagation, pipelined).
+        order: ``'forward_first'`` (the default: forward, then the delayed backward and update) or
+            ``'backward_first'`` (FDG's order, ``fdg`` only: the forward sees the same iteration's
+            update, staleness ``2(K-1-k) - 1`` before the last stage). See
+            :mod:`lightning_hier.algorithms.decoupled.schedule` for why forward first is the default.
         weights: Weights of a delayed backward: ``'stash'`` (forward-time copy), ``'recompute'``
             (re-run the forward with current weights) or ``'legacy'`` (stored graph, current weights).
         beta: Gradient shrinking in ``(0, 1]``: stage ``k``'s gradients are scaled by ``beta ** (K-1-k)``.
+        wire_dtype: ``'bf16'``: activations and activation gradients cross the cuts in bfloat16
+            (half the bytes of float32; each stage still computes in its own dtype); ``None``: as
+            they are.
         module_attr: Dotted path of the ``nn.Sequential`` / ``nn.ModuleList`` of blocks on the
             LightningModule (any other module there is one block); ``None`` finds it (see "The
             model" above) or fails listing the candidates.
@@ -141,6 +149,8 @@ class DecoupledStrategy(HierStrategy):
         weights: str = "stash",
         beta: float = 1.0,
         module_attr: str | None = None,
+        order: str = "forward_first",
+        wire_dtype: str | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -153,6 +163,13 @@ class DecoupledStrategy(HierStrategy):
         self.split = pm.check_split_argument(owner, split, self._num_stages or 1)
         self.schedule = v.check_choice(owner, "schedule", schedule, SCHEDULES)
         self.weights = v.check_choice(owner, "weights", weights, WEIGHTS)
+        self.order = v.check_choice(owner, "order", order, ORDERS)
+        if self.order == "backward_first" and self.schedule != "fdg":
+            raise ValueError(
+                f"{owner}: order='backward_first' (FDG's order) needs schedule='fdg', got schedule={schedule!r}; "
+                "use order='forward_first' with 'ddg' and 'sync'."
+            )
+        self.wire_dtype = v.check_choice(owner, "wire_dtype", wire_dtype, (None, "bf16"))
         self.beta = v.check_float(owner, "beta", beta, low=0.0, high=1.0, low_inclusive=False)
         self.module_attr = pm.check_module_attr_argument(owner, module_attr)
         self._found_attr: str | None = None
@@ -298,11 +315,13 @@ class DecoupledStrategy(HierStrategy):
             pipe_group=self.groups.pipe,
             data_group=self.groups.data,
             schedule=self.schedule,
+            order=self.order,
             weights=self.weights,
             beta=self.beta,
             loss_fn=self._loss_fn(module, coords.pipe == self.num_stages - 1),
             stats=self.comm_stats,
             check_gradients=self._check_stage_gradients if self.check_finite else None,
+            wire_dtype=torch.bfloat16 if self.wire_dtype == "bf16" else None,
             timeout=self._timeout,  # gloo bounds point-to-point waits by init_timeout otherwise
         )
 

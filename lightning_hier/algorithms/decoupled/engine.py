@@ -51,6 +51,8 @@ from lightning_hier.comm.p2p import Mailbox, Parcel
 Group = dist.ProcessGroup | None
 # training keeps receives posted between iterations; evaluation's messages must not match them
 _TRAIN_TAG, _EVAL_TAG = 0, 1
+WIRE_DTYPES = (None, torch.bfloat16)
+"""What activations and their gradients may travel as (``None``: their own dtype)."""
 LossFn = Callable[[Tensor, Tensor | None], Tensor]
 Apply = Callable[[], None]
 
@@ -96,6 +98,9 @@ class DecoupledPipeline:
         stats: Communication accounting.
         check_gradients: Called with the stage's gradients of every update, before they are
             averaged over the data-parallel replicas (the strategy's ``check_finite`` guard).
+        wire_dtype: ``torch.bfloat16`` sends activations and activation gradients in bfloat16 (half
+            the bytes of float32; the receiver computes in its parameters' dtype again, so only the
+            values crossing a cut are rounded, to 8 significant bits); ``None`` sends them as they are.
         timeout: Longest wait for a neighbour's message (``None``: the pipe group's own limit; with
             gloo that is the timeout the group was created with). A neighbour that does not answer
             in time raises :class:`~lightning_hier.comm.PeerError` naming it.
@@ -127,17 +132,24 @@ class DecoupledPipeline:
         loss_fn: LossFn | None = None,
         stats: CommStats | None = None,
         check_gradients: Callable[[list[Tensor]], None] | None = None,
+        wire_dtype: torch.dtype | None = None,
         timeout: timedelta | None = None,
     ) -> None:
         self.schedule = Schedule(schedule, len(stage_ranks), order)
         if not 0 <= stage_index < len(stage_ranks):
             raise ValueError(f"DecoupledPipeline: stage_index {stage_index} out of range [0, {len(stage_ranks)}).")
+        if wire_dtype not in WIRE_DTYPES:
+            raise ValueError(
+                f"DecoupledPipeline: `wire_dtype` must be one of {', '.join(map(str, WIRE_DTYPES))}, "
+                f"got {wire_dtype!r}."
+            )
         if not 0.0 < beta <= 1.0:
             raise ValueError(f"DecoupledPipeline: `beta` must be in (0, 1], got {beta!r}.")
         self.k = stage_index
         self.ranks = list(stage_ranks)
         self.data_group = data_group
         self.beta = beta
+        self.wire_dtype = wire_dtype
         self.loss_fn: LossFn = loss_fn if loss_fn is not None else _cross_entropy
         self.stats = stats if stats is not None else CommStats()
         self.check_gradients = check_gradients
@@ -236,6 +248,8 @@ class DecoupledPipeline:
         if parcel is None:
             return None
         inputs, *targets = parcel.tensors  # owned copies: the FIFO keeps the input beyond the next receive
+        if self.wire_dtype is not None and inputs.is_floating_point():
+            inputs = inputs.to(self.runner.dtype)  # back from the wire's dtype
         return Parcel((inputs.requires_grad_(inputs.is_floating_point()), *targets), tag=parcel.tag)
 
     def _delayed_backward(self, fed: bool, apply: Apply) -> _Done | None:
@@ -264,7 +278,7 @@ class DecoupledPipeline:
         loss.backward()
         self._apply(leaves, apply)
         value = float(loss.detach())
-        outgoing = None if self.first else Parcel((_grad_of(inputs),), tag=parcel.tag, value=value)
+        outgoing = None if self.first else Parcel((self._wire(_grad_of(inputs)),), tag=parcel.tag, value=value)
         return _Done(parcel.tag, value, int(inputs.shape[0]), outgoing)
 
     def _forward(self, parcel: Parcel | None) -> None:
@@ -278,7 +292,7 @@ class DecoupledPipeline:
             else:
                 output, entry = self.runner.forward_delayed(inputs, parcel.tag)
             self.fifo.append(entry)
-            activation = Parcel((output.detach(), *targets), tag=parcel.tag)
+            activation = Parcel((self._wire(output.detach()), *targets), tag=parcel.tag)
         if not self.schedule.forward_locked:
             self.mail.send_later(self.ranks[self.k + 1], activation)  # one message per iteration, maybe empty
         elif activation is not None:
@@ -291,13 +305,22 @@ class DecoupledPipeline:
                 f"DecoupledPipeline: stage {self.k} got the gradient of batch {gradient.tag} but its oldest "
                 f"batch in flight is {entry.batch}: the ranks fell out of lock-step."
             )
-        grad_output = gradient.tensors[0]
+        grad_output = gradient.tensors[0].to(self.runner.dtype)  # it may come in the wire's dtype
         if self.beta != 1.0:
             grad_output = grad_output * self.beta
         leaves = self.runner.backward_delayed(entry, grad_output)
         self._apply(leaves, apply)
-        outgoing = None if self.first else Parcel((_grad_of(entry.inputs),), tag=entry.batch, value=gradient.value)
+        outgoing = None
+        if not self.first:
+            outgoing = Parcel((self._wire(_grad_of(entry.inputs)),), tag=entry.batch, value=gradient.value)
         return _Done(entry.batch, gradient.value, int(entry.inputs.shape[0]), outgoing)
+
+    def _wire(self, tensor: Tensor) -> Tensor:
+        """``tensor`` as it travels: in ``wire_dtype`` when that is set and ``tensor`` is a wider float."""
+        wire = self.wire_dtype
+        if wire is None or not tensor.is_floating_point() or tensor.element_size() <= wire.itemsize:
+            return tensor
+        return tensor.to(wire)
 
     def _apply(self, leaves: list[Tensor], apply: Apply) -> None:
         grads = self.runner.grads(leaves)
