@@ -259,3 +259,31 @@ def test_the_fdg_codes_loop_equals_the_formula_reference_of_its_order():
         for t, (a, b) in enumerate(zip(loop[k], formula[k], strict=True)):
             torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=f"stage {k} iteration {t}")
     assert not torch.allclose(loop[0][-1], other[0][-1], atol=1e-4)  # the order changes stage 0's weights
+
+
+def test_balanced_split_charges_each_stage_the_cuts_it_borders():
+    from lightning_hier.algorithms.decoupled import balanced_split
+
+    costs = [3.0, 3.0, 3.0, 3.0]
+    assert balanced_split(costs, 2) == (2,)  # compute alone: the middle
+    # a wide activation after block 1 (the middle) and a narrow one after block 2
+    assert balanced_split(costs, 2, cut_costs=[5.0, 5.0, 0.5]) == (3,)  # 9 + 0.5 beats 6 + 5
+    # a stage in the middle borders two cuts
+    assert balanced_split([1.0, 1.0, 1.0], 3, cut_costs=[1.0, 1.0]) == (1, 2)
+    with pytest.raises(ValueError, match=r"`cut_costs` needs one entry per cut point \(3\), got 2"):
+        balanced_split(costs, 2, cut_costs=[1.0, 1.0])
+
+
+def test_block_output_bytes_counts_what_each_cut_sends_and_changes_nothing():
+    from lightning_hier.algorithms.decoupled import block_output_bytes
+
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.MaxPool2d(2)), nn.Flatten()]
+    blocks[0].train()
+    before = copy.deepcopy(blocks[0].state_dict())
+    sample = torch.randn(5, 3, 8, 8)
+    assert block_output_bytes(blocks, sample) == [5 * 4 * 4 * 4 * 4, 5 * 64 * 4]
+    assert block_output_bytes(blocks, sample, torch.bfloat16) == [5 * 4 * 4 * 4 * 2, 5 * 64 * 2]
+    assert blocks[0].training  # modes restored, statistics untouched
+    for name, value in blocks[0].state_dict().items():
+        assert torch.equal(value, before[name]), name

@@ -20,6 +20,7 @@ over its data-parallel group ``{d * K + k}``. Pure torch; usable from a plain tr
 from lightning_hier.algorithms.decoupled.engine import WIRE_DTYPES, DecoupledPipeline, IterationReport
 from lightning_hier.algorithms.decoupled.partition import (
     balanced_split,
+    block_output_bytes,
     check_split_points,
     check_stage_count,
     measure_block_costs,
@@ -39,6 +40,7 @@ __all__ = [
     "Schedule",
     "StageRunner",
     "balanced_split",
+    "block_output_bytes",
     "check_split_points",
     "check_stage_count",
     "measure_block_costs",
