@@ -262,3 +262,36 @@ def test_bf16_on_the_wire_rounds_only_what_crosses_a_cut_and_halves_its_bytes():
 def test_wire_dtype_other_than_bf16_is_rejected():
     with pytest.raises(ValueError, match=r"`wire_dtype` must be one of None, torch\.bfloat16, got torch\.float16"):
         DecoupledPipeline(nn.Linear(2, 2), stage_index=0, stage_ranks=[0], wire_dtype=torch.float16)
+
+
+def _eval_mid_epoch() -> dict:
+    """Evaluation forwards between training iterations, while training's receives are posted."""
+    dist.init_process_group("gloo")
+    k = dist.get_rank()
+    stage = _stages(2)[k]
+    optimizer = _optimizer(stage)
+    pipe = DecoupledPipeline(stage, stage_index=k, stage_ranks=[0, 1], pipe_group=dist.group.WORLD)
+    x = torch.randn(5, 2, 3, generator=torch.Generator().manual_seed(3))
+    evals, weights = [], []
+    for batch in _epochs(0, (5,))[0]:
+        pipe.step(batch, optimizer.step)
+        with torch.no_grad():
+            evals.append(pipe.forward_eval(x))
+        weights.append({n: p.detach().clone() for n, p in stage.named_parameters()})
+    pipe.drain(optimizer.step)
+    return {"stage": k, "evals": evals, "weights": weights, "final": flat(stage)}
+
+
+def test_evaluation_between_iterations_sees_the_current_stages_and_leaves_training_exact():
+    out = run_workers(_eval_mid_epoch, devices=2)
+    expected = simulate(_stages(2), _epochs(0, (5,)), "fdg", _optimizer)
+    stages = _stages(2)
+    x = torch.randn(5, 2, 3, generator=torch.Generator().manual_seed(3))
+    for t in range(5):
+        with torch.no_grad():
+            hidden = torch.func.functional_call(stages[0], out[0]["weights"][t], (x,))
+            want = torch.func.functional_call(stages[1], out[1]["weights"][t], (hidden,))
+        for o in out:
+            torch.testing.assert_close(o["evals"][t], want, msg=f"iteration {t}")
+    for o in out:
+        torch.testing.assert_close(o["final"], expected[o["stage"]][-1], atol=1e-6, rtol=1e-5)

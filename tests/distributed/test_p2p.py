@@ -111,8 +111,9 @@ def test_a_silent_neighbour_fails_a_grid_halo_exchange_within_its_timeout():
 
 
 def _lazy_chain() -> dict:
-    """Rank 1 leaves growing parcels in flight, then waits on a blocking receive from rank 0; rank 0 sends
-    first and takes rank 1's parcels afterwards (each a second message, since each outgrows the buffer)."""
+    """The decoupled pipeline's ``ddg`` pattern: each round rank 1 waits on a blocking receive from rank 0, then
+    leaves a growing parcel in flight (a second message follows its header); rank 0 sends, then takes rank 1's
+    parcel of the previous round. A parcel's second message must not wait for the receiver's next take."""
     from lightning_hier.comm import Inbox
 
     dist.init_process_group("gloo")
@@ -122,8 +123,8 @@ def _lazy_chain() -> dict:
     inbox = Inbox(box, 1)
     for i, rows in enumerate([2, 50, 400, 400]):
         if rank == 1:
-            box.send_later(0, _parcel(i, 1, rows))  # not waited for: the link is written again next round
-            got.append(int(box.recv(0).tensors[0].shape[0]))  # blocking: rank 0 must get here first
+            got.append(int(box.recv(0).tensors[0].shape[0]))  # blocking
+            box.send_later(0, _parcel(i, 1, rows))  # waited for before the link is written again, next round
         else:
             box.send(1, Parcel((torch.zeros(i + 1),)))
             parcel = inbox.take()  # the previous round's parcel; posts this round's receive
