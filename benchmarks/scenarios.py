@@ -277,6 +277,16 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("dbs_straggler", "dbs", {}, Target("epoch_s", "<=", 0.75, "batch shares follow speed 2:1")),
     Scenario("dbs_straggler", "localsgd", {"tau": 8}),
     Scenario("decoupled_cnn", "decoupled", {}, overrides=("data.batch_size=256",)),  # K=2 stages, 1 replica
+    Scenario(
+        "decoupled_cnn", "decoupled", {"wire_dtype": "bf16"}, label="decoupled-bf16", overrides=("data.batch_size=256",)
+    ),
+    Scenario(  # FDG's order within an iteration: backward and update, then forward
+        "decoupled_cnn",
+        "decoupled",
+        {"order": "backward_first"},
+        label="decoupled-fdg-order",
+        overrides=("data.batch_size=256",),
+    ),
     # plain backprop through the same 2 stages (one stage idle at a time): the no-overlap baseline
     Scenario(
         "decoupled_cnn", "decoupled", {"schedule": "sync"}, label="decoupled-sync", overrides=("data.batch_size=256",)

@@ -16,6 +16,7 @@ from lightning_hier.comm.collectives import (
 )
 from lightning_hier.comm.failures import FailureBoard, is_communication_error
 from lightning_hier.comm.flat import FlatTensors, Segment
+from lightning_hier.comm.inbox import Inbox
 from lightning_hier.comm.p2p import Mailbox, Parcel, PeerError
 from lightning_hier.comm.stats import CommStats
 
@@ -23,6 +24,7 @@ __all__ = [
     "CommStats",
     "FailureBoard",
     "FlatTensors",
+    "Inbox",
     "Mailbox",
     "Parcel",
     "PeerError",

@@ -15,6 +15,12 @@ So in the steady state a parcel costs one message and no allocation; the buffer 
 (to the largest parcel seen), and shorter parcels travel padded. All operations of one
 :meth:`Mailbox.exchange` are posted together with ``torch.distributed.batch_isend_irecv``.
 
+A send need not be waited for at once: :meth:`Mailbox.send_later` leaves it in flight and the
+mailbox waits for it only before the link's buffer is written again (the next parcel to that
+peer) or at :meth:`Mailbox.flush`, so the transfer runs behind whatever the rank computes next.
+A mailbox's messages carry its ``tag``, so two mailboxes on one group (training and evaluation)
+never match each other's messages, even while one has receives posted.
+
 Every wait is bounded by the mailbox's ``timeout``: gloo limits a point-to-point operation only by
 the timeout its group was created with (the long start-up one), so a neighbour that hangs would
 otherwise block this rank for that long. A wait that fails raises :class:`PeerError` naming the
@@ -70,6 +76,10 @@ class Parcel:
     tensors: tuple[Tensor, ...]
     tag: int = 0
     value: float = 0.0
+
+    def clone(self) -> Parcel:
+        """A copy whose tensors own their memory (a received parcel's view the link's buffer)."""
+        return Parcel(tuple(t.clone() for t in self.tensors), tag=self.tag, value=self.value)
 
 
 def _aligned(nbytes: int) -> int:
@@ -186,6 +196,7 @@ class Mailbox:
         stats: Communication accounting (payload bytes sent and time blocked waiting).
         timeout: Longest wait for one message (``None``: the group's own limit, which gloo takes
             from the group's creation). Ignored with NCCL, whose watchdog bounds every operation.
+        tag: Message tag of every operation (both ends of a link must use the same).
 
     Example:
         >>> box = Mailbox(group=None, device=torch.device("cpu"))  # doctest: +SKIP
@@ -194,14 +205,21 @@ class Mailbox:
     """
 
     def __init__(
-        self, group: Group, device: torch.device, stats: CommStats | None = None, timeout: timedelta | None = None
+        self,
+        group: Group,
+        device: torch.device,
+        stats: CommStats | None = None,
+        timeout: timedelta | None = None,
+        tag: int = 0,
     ) -> None:
         self.group = group
         self.device = device
         self.stats = stats
         self.timeout = timeout
+        self.tag = tag
         self._send: dict[int, _Link] = {}
         self._recv: dict[int, _Link] = {}
+        self._sending: dict[int, Posted] = {}  # sends of send_later() not yet waited for, by peer
 
     def _link(self, table: dict[int, _Link], peer: int) -> _Link:
         if peer not in table:
@@ -216,12 +234,16 @@ class Mailbox:
         """
         return self.post(send, recv_from).wait()
 
-    def post(self, send: Mapping[int, Parcel | None], recv_from: Iterable[int]) -> Posted:
+    def post(self, send: Mapping[int, Parcel | None], recv_from: Iterable[int], follow_now: bool = False) -> Posted:
         """Start :meth:`exchange` without waiting: compute can run while the parcels travel.
 
         The parcels to send are packed now (their tensors may change afterwards). Until
-        :meth:`Posted.wait` returns, the links involved are busy: post nothing else on them.
+        :meth:`Posted.wait` returns, the links involved are busy: post nothing else on them
+        (a send of :meth:`send_later` to one of ``send``'s peers is completed first).
+        ``follow_now``: post the second message of a parcel that outgrew its buffer at once (the
+        peer matches a link's messages in order), not when :meth:`Posted.wait` is called.
         """
+        self._complete_sends(send)
         ops: list[dist.P2POp] = []
         labels: list[_Op] = []
         follow: list[dist.P2POp] = []  # posted by wait(), with the peers' follow-up receives
@@ -234,14 +256,16 @@ class Mailbox:
             _write_header(first[:HEADER_BYTES].view(torch.int64), parcel, payload)
             if parcel is not None:
                 _pack(link.buffer, parcel.tensors)
-            ops.append(dist.P2POp(dist.isend, first, peer, self.group))
+            ops.append(dist.P2POp(dist.isend, first, peer, self.group, self.tag))
             labels.append(_Op("send to", peer))
             if grew:  # the peer reads the header of `first`, grows, then receives the follow-up
-                follow.append(dist.P2POp(dist.isend, link.buffer, peer, self.group))
+                (ops if follow_now else follow).append(dist.P2POp(dist.isend, link.buffer, peer, self.group, self.tag))
+                if follow_now:
+                    labels.append(_Op("send to", peer))
             sent += first.numel() + (link.buffer.numel() if grew else 0)
         peers = list(recv_from)
         for peer in peers:
-            ops.append(dist.P2POp(dist.irecv, self._link(self._recv, peer).buffer, peer, self.group))
+            ops.append(dist.P2POp(dist.irecv, self._link(self._recv, peer).buffer, peer, self.group, self.tag))
             labels.append(_Op("receive from", peer))
         if self.stats is not None:
             self.stats.add(sent, calls=len(send))
@@ -250,6 +274,24 @@ class Mailbox:
     def send(self, peer: int, parcel: Parcel | None) -> None:
         """Blocking send of one parcel (the peer calls :meth:`recv`)."""
         self.exchange({peer: parcel}, ())
+
+    def send_later(self, peer: int, parcel: Parcel | None) -> None:
+        """Send one parcel and leave it in flight: it is waited for before the next write to the link.
+
+        A parcel that outgrows the link's buffer has its second message posted at once too: the
+        peer may take its receive before this rank waits for anything.
+        """
+        self._sending[peer] = self.post({peer: parcel}, (), follow_now=True)
+
+    def flush(self) -> None:
+        """Wait for every send of :meth:`send_later` still in flight."""
+        self._complete_sends(list(self._sending))
+
+    def _complete_sends(self, peers: Iterable[int]) -> None:
+        for peer in peers:
+            posted = self._sending.pop(peer, None)
+            if posted is not None:
+                posted.wait()
 
     def recv(self, peer: int) -> Parcel | None:
         """Blocking receive of one parcel (the peer calls :meth:`send`)."""
@@ -276,7 +318,7 @@ class Posted:
         links = {peer: box._recv[peer] for peer in self._peers}
         headers = {peer: link.header.tolist() for peer, link in links.items()}
         grown = [peer for peer, link in links.items() if link.grow(headers[peer][3])]
-        follow = self._follow + [dist.P2POp(dist.irecv, links[peer].buffer, peer, box.group) for peer in grown]
+        follow = self._follow + [dist.P2POp(dist.irecv, links[peer].buffer, peer, box.group, box.tag) for peer in grown]
         if follow:
             labels = [_Op("send to", op.peer) for op in self._follow] + [_Op("receive from", p) for p in grown]
             self._wait(dist.batch_isend_irecv(follow), labels)

@@ -19,11 +19,21 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_hier import _validate as v
-from lightning_hier.algorithms.decoupled import balanced_split, check_split_points, measure_block_costs, stage_ranges
+from lightning_hier.algorithms.decoupled import (
+    ORDERS,
+    balanced_split,
+    block_output_bytes,
+    check_split_points,
+    measure_block_costs,
+    stage_ranges,
+)
 from lightning_hier.comm import broadcast_, gather_objects
 from lightning_hier.comm.collectives import Group
 from lightning_hier.strategies._checkpoint import detach_state
 from lightning_hier.strategies._user_model import describe, find_network, first_input, first_training_batch
+
+WIRE_DTYPES: dict[str | None, torch.dtype | None] = {None: None, "bf16": torch.bfloat16}
+"""The strategy's ``wire_dtype`` choices and the dtype each sends activations and their gradients in."""
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -202,6 +212,17 @@ def check_split_argument(owner: str, split: Sequence[int] | None, stages: int) -
     return tuple(points)
 
 
+def check_order_argument(owner: str, order: Any, schedule: str) -> str:
+    """``order`` is one of :data:`ORDERS`, and ``'backward_first'`` comes with ``schedule='fdg'``."""
+    v.check_choice(owner, "order", order, ORDERS)
+    if order == "backward_first" and schedule != "fdg":
+        raise ValueError(
+            f"{owner}: order='backward_first' (FDG's order) needs schedule='fdg', got schedule={schedule!r}; "
+            "use order='forward_first' with 'ddg' and 'sync'."
+        )
+    return str(order)
+
+
 def check_module_attr_argument(owner: str, module_attr: Any) -> str | None:
     """Validate ``module_attr``: ``None`` or a dotted attribute path such as ``model`` or ``net.body``."""
     parts = module_attr.split(".") if isinstance(module_attr, str) else []
@@ -253,8 +274,13 @@ def probe_blocks(
     attr: str,
     num_stages: int,
     balance: bool,
+    link: tuple[float, torch.dtype | None] | None = None,
 ) -> tuple[tuple[int, ...] | None, str | None]:
-    """``(balanced split or None, error message or None)`` from one sample input (run on one rank)."""
+    """``(balanced split or None, error message or None)`` from one sample input (run on one rank).
+
+    ``link``: ``(seconds per byte, wire dtype)`` of the links between stages; the balance then
+    charges each stage the transfer time of the cuts it borders (see :func:`balanced_split`).
+    """
     try:
         sample = sample_input(module, trainer, device)
     except ValueError as err:
@@ -262,7 +288,11 @@ def probe_blocks(
     error = check_blocks_accept(blocks, sample, attr)
     if error is not None or not balance:
         return None, error
-    return balanced_split(measure_block_costs(list(blocks), sample), num_stages), None
+    cut_costs = None
+    if link is not None:
+        seconds_per_byte, wire_dtype = link
+        cut_costs = [seconds_per_byte * b for b in block_output_bytes(list(blocks), sample, wire_dtype)[:-1]]
+    return balanced_split(measure_block_costs(list(blocks), sample), num_stages, cut_costs), None
 
 
 def check_blocks_accept(blocks: Container, sample: Tensor, attr: str) -> str | None:

@@ -49,12 +49,7 @@ How it sits in Lightning (decisions, in the order a fit meets them):
   the blocks through the stages, and the last stage's output reaches every stage of the replica, so
   the user's ``validation_step`` runs unchanged on every rank and torchmetrics/``sync_dist``
   reduce over the whole world (each replica counted K times: means are unchanged).
-- **Checkpoints.** Every rank's stage, optimizer, RNG and counters are gathered into the file (the
-  base class); its ``state_dict`` is the whole ordinary model assembled from the stages, which
-  loads into the unsharded LightningModule.
-- **After fit** every rank holds the whole model again (each stage broadcast by its owner), so
-  ``trainer.validate/test/predict`` and the weights returned by spawn/fork are ordinary; outside
-  fit the strategy runs plain data parallelism over all ranks (no pipeline).
+- **Checkpoints, the end of fit, outside fit**: see :mod:`lightning_hier.strategies._pipeline_stages`.
 
 Supported: precision ``32-true``, ``64-true``, ``16-true``, ``bf16-true``; one optimizer stepped once
 per call (not LBFGS); automatic optimization; ``accumulate_grad_batches=1``. ``gradient_clip_algorithm
@@ -66,13 +61,11 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, Precision
-from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 from typing_extensions import override
@@ -88,9 +81,9 @@ from lightning_hier.algorithms.decoupled import (
 )
 from lightning_hier.comm import all_reduce_mean_, broadcast_object
 from lightning_hier.strategies import _pipeline_model as pm
-from lightning_hier.strategies._base import HierStrategy
 from lightning_hier.strategies._finite import all_finite
 from lightning_hier.strategies._pipeline_loss import TrainingStepLoss
+from lightning_hier.strategies._pipeline_stages import PipelineStagesStrategy
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -103,7 +96,7 @@ log = logging.getLogger(__name__)
 SUPPORTED_PRECISION = (Precision, DoublePrecision, HalfPrecision)
 
 
-class DecoupledStrategy(HierStrategy):
+class DecoupledStrategy(PipelineStagesStrategy):
     """Data parallelism x fully decoupled backpropagation: N pipelines of K stages with delayed gradients.
 
     Args:
@@ -115,9 +108,20 @@ class DecoupledStrategy(HierStrategy):
             stages by measured per-block time.
         schedule: ``'fdg'`` (fully decoupled, staleness ``2(K-1-k)``), ``'ddg'`` (locked forward,
             ``K-1-k``) or ``'sync'`` (no staleness: plain backpropagation, pipelined).
+        order: ``'forward_first'`` (the default: forward, then the delayed backward and update) or
+            ``'backward_first'`` (FDG's order, ``fdg`` only: the forward sees the same iteration's
+            update, staleness ``2(K-1-k) - 1`` before the last stage). See
+            :mod:`lightning_hier.algorithms.decoupled.schedule` for why forward first is the default.
         weights: Weights of a delayed backward: ``'stash'`` (forward-time copy), ``'recompute'``
             (re-run the forward with current weights) or ``'legacy'`` (stored graph, current weights).
         beta: Gradient shrinking in ``(0, 1]``: stage ``k``'s gradients are scaled by ``beta ** (K-1-k)``.
+        wire_dtype: ``'bf16'``: activations and activation gradients cross the cuts in bfloat16
+            (half the bytes of float32; each stage still computes in its own dtype); ``None``: as
+            they are.
+        link_gbps: Bandwidth of the links between stages in Gbit/s. When given (and ``split`` is
+            not), the balanced cut charges every stage, besides its blocks' measured time, the
+            transfer time of the activation crossing each cut it borders (as it travels, so
+            ``wire_dtype`` counts); ``None`` balances compute only.
         module_attr: Dotted path of the ``nn.Sequential`` / ``nn.ModuleList`` of blocks on the
             LightningModule (any other module there is one block); ``None`` finds it (see "The
             model" above) or fails listing the candidates.
@@ -141,6 +145,9 @@ class DecoupledStrategy(HierStrategy):
         weights: str = "stash",
         beta: float = 1.0,
         module_attr: str | None = None,
+        order: str = "forward_first",
+        wire_dtype: str | None = None,
+        link_gbps: float | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -153,17 +160,18 @@ class DecoupledStrategy(HierStrategy):
         self.split = pm.check_split_argument(owner, split, self._num_stages or 1)
         self.schedule = v.check_choice(owner, "schedule", schedule, SCHEDULES)
         self.weights = v.check_choice(owner, "weights", weights, WEIGHTS)
+        self.order = pm.check_order_argument(owner, order, self.schedule)
+        self.wire_dtype = v.check_choice(owner, "wire_dtype", wire_dtype, tuple(pm.WIRE_DTYPES))
+        self.link_gbps = (
+            None if link_gbps is None else v.check_float(owner, "link_gbps", link_gbps, low=0.0, low_inclusive=False)
+        )
         self.beta = v.check_float(owner, "beta", beta, low=0.0, high=1.0, low_inclusive=False)
         self.module_attr = pm.check_module_attr_argument(owner, module_attr)
         self._found_attr: str | None = None
         self._loss: TrainingStepLoss | None = None
-        self.pipeline: DecoupledPipeline | None = None
         self.last_reports: list[IterationReport] = []
         """What every stage iteration of the latest training step did (for monitors and tests)."""
-        self._cut: pm.CutModel | None = None
-        self._split: tuple[int, ...] | None = None  # the cut in use (kept after fit: optimizer states follow it)
-        self._missing_on_load: list[str] = []
-        self._example_input: Any = None
+        self._missing_on_load = []
 
     @property
     def num_stages(self) -> int:
@@ -213,18 +221,6 @@ class DecoupledStrategy(HierStrategy):
             )
         self._precision_plugin = plugin
 
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        if self._fitting():
-            return super().distributed_sampler_kwargs
-        # outside fit the whole model is on every rank: plain data parallelism over the world
-        return {"num_replicas": self.world_size, "rank": self.global_rank}
-
-    def _fitting(self) -> bool:
-        module = self.lightning_module
-        return module is not None and module._trainer is not None and module.trainer.state.fn == TrainerFn.FITTING
-
     # ------------------------------------------------------------------ cutting the model
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
@@ -263,7 +259,10 @@ class DecoupledStrategy(HierStrategy):
         assert module is not None
         verdict = None
         if self.global_rank == 0:
-            verdict = pm.probe_blocks(module, trainer, self.root_device, blocks, attr, self.num_stages, known is None)
+            link = None if self.link_gbps is None else (8 / (self.link_gbps * 1e9), pm.WIRE_DTYPES[self.wire_dtype])
+            verdict = pm.probe_blocks(
+                module, trainer, self.root_device, blocks, attr, self.num_stages, known is None, link
+            )
         split, error = broadcast_object(verdict, 0, torch.distributed.group.WORLD)
         if error is not None:
             raise ValueError(error)
@@ -298,11 +297,13 @@ class DecoupledStrategy(HierStrategy):
             pipe_group=self.groups.pipe,
             data_group=self.groups.data,
             schedule=self.schedule,
+            order=self.order,
             weights=self.weights,
             beta=self.beta,
             loss_fn=self._loss_fn(module, coords.pipe == self.num_stages - 1),
             stats=self.comm_stats,
             check_gradients=self._check_stage_gradients if self.check_finite else None,
+            wire_dtype=pm.WIRE_DTYPES[self.wire_dtype],
             timeout=self._timeout,  # gloo bounds point-to-point waits by init_timeout otherwise
         )
 
@@ -355,6 +356,7 @@ class DecoupledStrategy(HierStrategy):
         if self.check_finite:
             self._check_module("parameters", lambda p: p)
 
+    @override
     def _drain(self) -> list[IterationReport]:
         assert self.pipeline is not None
         reports = self.pipeline.drain(self._apply)
@@ -390,70 +392,6 @@ class DecoupledStrategy(HierStrategy):
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         """Run Lightning's closure (our training step, which steps the optimizer); no further step."""
         return closure()
-
-    # ------------------------------------------------------------------ evaluation and the end of fit
-    @contextmanager
-    @override
-    def _consensus(self) -> Iterator[None]:
-        if self._cut is None or self.pipeline is None or self.num_stages == 1:
-            yield  # one stage holds the whole network: its ordinary forward is the staged one
-            return
-        module = self.lightning_module
-        assert module is not None
-        container = self._cut.container
-        target = container if isinstance(container, nn.Sequential) else module
-        with pm.forward_replaced(target, self.pipeline.forward_eval):
-            yield
-
-    @override
-    def _finalize_algorithm(self) -> None:
-        if self._cut is None or self.pipeline is None:
-            return
-        if self.pipeline.in_flight:  # fit stopped mid-epoch
-            self._drain()
-        pm.reassemble(self._cut, self.root_device, self.pipeline.ranks, self.groups.pipe)
-        self.lightning_module.example_input_array = self._example_input  # type: ignore[union-attr]
-        self._cut, self.pipeline = None, None
-
-    # ------------------------------------------------------------------ checkpoints
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The whole ordinary model, assembled from the stages of replica 0 (a collective)."""
-        if self._cut is None or self.pipeline is None:
-            return super().lightning_module_state_dict()
-        if self.topology.coords(self.global_rank).data != 0:
-            return {}  # only rank 0's copy is written
-        state = pm.gather_state_dict(self._cut, self.pipeline.ranks, self.groups.pipe)
-        return state if state is not None else {}
-
-    @override
-    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        if self._restored is None:
-            return super().load_model_state_dict(checkpoint, strict)
-        # resuming: this rank's saved state holds its own stage only; the cut in setup() drops the rest
-        module = self.lightning_module
-        assert module is not None
-        missing, unexpected = module.load_state_dict(self._restored["model"], strict=False)
-        if unexpected:
-            raise ValueError(f"DecoupledStrategy: the checkpoint has entries this model lacks: {unexpected[:5]}.")
-        self._missing_on_load = list(missing)
-
-    @override
-    def _algorithm_state(self) -> dict[str, Any]:
-        split = {"split": list(self._split)} if self._split is not None else {}
-        if self.pipeline is None:
-            return split  # after fit: the whole model, but the optimizer still holds this stage only
-        if self.pipeline.in_flight:
-            log.warning(
-                "DecoupledStrategy: checkpoint taken with batches in flight (mid-epoch); they are not saved, so a "
-                "run resumed from it skips their updates. Epoch-end checkpoints are exact."
-            )
-        return {**split, "pipeline": self.pipeline.state_dict()}
-
-    @override
-    def _load_algorithm_state(self, state: dict[str, Any]) -> None:
-        if self.pipeline is not None and "pipeline" in state:
-            self.pipeline.load_state_dict(state["pipeline"])
 
 
 def _no_closure() -> None:

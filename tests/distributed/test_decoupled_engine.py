@@ -57,7 +57,14 @@ def _concatenated(replicas: int, batches: tuple[int, ...]) -> list[list[tuple[to
 
 
 def _run_stage(
-    num_stages: int, schedule: str, weights: str, beta: float, batches: tuple[int, ...], batchnorm: bool = False
+    num_stages: int,
+    schedule: str,
+    weights: str,
+    beta: float,
+    batches: tuple[int, ...],
+    batchnorm: bool = False,
+    order: str = "forward_first",
+    wire_dtype: torch.dtype | None = None,
 ) -> dict:
     dist.init_process_group("gloo")
     topo = Topology(dist.get_world_size(), pipe=num_stages)
@@ -75,6 +82,8 @@ def _run_stage(
         schedule=schedule,
         weights=weights,
         beta=beta,
+        order=order,
+        wire_dtype=wire_dtype,
     )
     reports: list = []
     offset = 0  # iterations of the epochs before this one (the engine counts from 0 in each)
@@ -90,7 +99,7 @@ def _run_stage(
         assert not pipe.fifo and not pipe.in_flight
         offset = len(reports)
     params = [updated[max(i for i in updated if i <= t)] for t in range(len(reports))]
-    return {"stage": k, "params": params, "reports": reports}
+    return {"stage": k, "params": params, "reports": reports, "bytes": pipe.stats.bytes}
 
 
 CASES = [
@@ -216,3 +225,73 @@ def test_evaluation_forward_gives_every_stage_the_whole_models_output():
         torch.testing.assert_close(o["a"], want)
         torch.testing.assert_close(o["b"], want[:2])
         assert o["fifo"] == 0 and o["iteration"] == 0  # no state change
+
+
+@pytest.mark.parametrize(("num_stages", "beta", "batches"), [(2, 1.0, (5, 3)), (3, 0.5, (6,))])
+def test_fdg_order_follows_the_fdg_codes_loop(num_stages, beta, batches):
+    """order='backward_first': every stage's parameters after every iteration, as FDG's training loop gives them."""
+    from tests.pipeline_reference import fdg_loop
+
+    out = run_workers(_run_stage, num_stages, "fdg", "stash", beta, batches, order="backward_first", devices=num_stages)
+    expected = fdg_loop(_stages(num_stages), _epochs(0, batches), _optimizer, beta)
+    for o in out:
+        k = o["stage"]
+        assert len(o["params"]) == len(expected[k])
+        for t, (got, want) in enumerate(zip(o["params"], expected[k], strict=True)):
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5, msg=f"stage {k} iteration {t}")
+
+
+def test_bf16_on_the_wire_rounds_only_what_crosses_a_cut_and_halves_its_bytes():
+    batches = (5,)
+    plain = run_workers(_run_stage, 2, "fdg", "stash", 1.0, batches, devices=2)
+    bf16 = run_workers(_run_stage, 2, "fdg", "stash", 1.0, batches, wire_dtype=torch.bfloat16, devices=2)
+    # the stages compute in float32 on bf16-rounded activations and activation gradients
+    expected = simulate(_stages(2), _epochs(0, batches), "fdg", _optimizer, wire="bf16")
+    unrounded = simulate(_stages(2), _epochs(0, batches), "fdg", _optimizer)
+    for o in bf16:
+        k = o["stage"]
+        for t, (got, want) in enumerate(zip(o["params"], expected[k], strict=True)):
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5, msg=f"stage {k} iteration {t}")
+    assert not torch.allclose(bf16[0]["params"][-1], unrounded[0][-1], atol=1e-6, rtol=1e-5)
+    # one message per iteration and direction, of the link's buffer size; its 4 x 8 floats take 2 bytes, not 4
+    iterations = len(plain[0]["reports"])
+    assert plain[0]["bytes"] - bf16[0]["bytes"] == iterations * ROWS * 8 * 2  # activations, from iteration 0
+    assert plain[1]["bytes"] - bf16[1]["bytes"] == (iterations - 1) * ROWS * 8 * 2  # gradients, from iteration 1
+
+
+def test_wire_dtype_other_than_bf16_is_rejected():
+    with pytest.raises(ValueError, match=r"`wire_dtype` must be one of None, torch\.bfloat16, got torch\.float16"):
+        DecoupledPipeline(nn.Linear(2, 2), stage_index=0, stage_ranks=[0], wire_dtype=torch.float16)
+
+
+def _eval_mid_epoch() -> dict:
+    """Evaluation forwards between training iterations, while training's receives are posted."""
+    dist.init_process_group("gloo")
+    k = dist.get_rank()
+    stage = _stages(2)[k]
+    optimizer = _optimizer(stage)
+    pipe = DecoupledPipeline(stage, stage_index=k, stage_ranks=[0, 1], pipe_group=dist.group.WORLD)
+    x = torch.randn(5, 2, 3, generator=torch.Generator().manual_seed(3))
+    evals, weights = [], []
+    for batch in _epochs(0, (5,))[0]:
+        pipe.step(batch, optimizer.step)
+        with torch.no_grad():
+            evals.append(pipe.forward_eval(x))
+        weights.append({n: p.detach().clone() for n, p in stage.named_parameters()})
+    pipe.drain(optimizer.step)
+    return {"stage": k, "evals": evals, "weights": weights, "final": flat(stage)}
+
+
+def test_evaluation_between_iterations_sees_the_current_stages_and_leaves_training_exact():
+    out = run_workers(_eval_mid_epoch, devices=2)
+    expected = simulate(_stages(2), _epochs(0, (5,)), "fdg", _optimizer)
+    stages = _stages(2)
+    x = torch.randn(5, 2, 3, generator=torch.Generator().manual_seed(3))
+    for t in range(5):
+        with torch.no_grad():
+            hidden = torch.func.functional_call(stages[0], out[0]["weights"][t], (x,))
+            want = torch.func.functional_call(stages[1], out[1]["weights"][t], (hidden,))
+        for o in out:
+            torch.testing.assert_close(o["evals"][t], want, msg=f"iteration {t}")
+    for o in out:
+        torch.testing.assert_close(o["final"], expected[o["stage"]][-1], atol=1e-6, rtol=1e-5)

@@ -108,3 +108,58 @@ def test_a_silent_neighbour_fails_a_grid_halo_exchange_within_its_timeout():
     err, waited = run_workers(partial(_silent_neighbour, _halo_receive), devices=2, timeout=90)[0]
     assert "timed out" in str(err).lower()
     assert waited < 30, f"waited {waited:.1f} s for a 1 s timeout"
+
+
+def _lazy_chain() -> dict:
+    """The decoupled pipeline's ``ddg`` pattern: each round rank 1 waits on a blocking receive from rank 0, then
+    leaves a growing parcel in flight (a second message follows its header); rank 0 sends, then takes rank 1's
+    parcel of the previous round. A parcel's second message must not wait for the receiver's next take."""
+    from lightning_hier.comm import Inbox
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    box = Mailbox(None, torch.device("cpu"), timeout=timedelta(seconds=10))
+    got = []
+    inbox = Inbox(box, 1)
+    for i, rows in enumerate([2, 50, 400, 400]):
+        if rank == 1:
+            got.append(int(box.recv(0).tensors[0].shape[0]))  # blocking
+            box.send_later(0, _parcel(i, 1, rows))  # waited for before the link is written again, next round
+        else:
+            box.send(1, Parcel((torch.zeros(i + 1),)))
+            parcel = inbox.take()  # the previous round's parcel; posts this round's receive
+            got.append(None if parcel is None else (parcel.tag, parcel.tensors[0].shape[0]))
+    if rank == 0:
+        last = inbox.settle()
+        assert last is not None
+        got.append((last.tag, last.tensors[0].shape[0]))
+    else:
+        box.flush()
+    return {"got": got, "pending": inbox.pending}
+
+
+def test_sends_left_in_flight_complete_while_both_ranks_go_on_with_blocking_messages():
+    out = run_workers(_lazy_chain, devices=2, timeout=60)
+    assert out[0]["got"] == [None, (1, 2), (11, 50), (21, 400), (31, 400)]
+    assert out[1]["got"] == [1, 2, 3, 4]
+    assert not out[0]["pending"]
+
+
+def _two_mailboxes() -> list:
+    dist.init_process_group("gloo")
+    rank, peer = dist.get_rank(), 1 - dist.get_rank()
+    train = Mailbox(None, torch.device("cpu"), tag=0)
+    evaluation = Mailbox(None, torch.device("cpu"), tag=1)
+    posted = train.post({}, [peer])  # a training receive stays posted while evaluation talks
+    got = evaluation.exchange({peer: Parcel((torch.full((3,), 7.0 + rank),))}, [peer])[peer]
+    train.send_later(peer, Parcel((torch.full((2,), 1.0 + rank),)))
+    trained = posted.wait()[peer]
+    train.flush()
+    assert got is not None and trained is not None
+    return [got.tensors[0].tolist(), trained.tensors[0].tolist()]
+
+
+def test_a_mailboxs_tag_keeps_its_messages_from_another_mailbox_on_the_same_peers():
+    out = run_workers(_two_mailboxes, devices=2, timeout=60)
+    assert out[0] == [[8.0] * 3, [2.0] * 2]
+    assert out[1] == [[7.0] * 3, [1.0] * 2]

@@ -58,12 +58,14 @@ class _Reports(Callback):
         self.reports.append(list(trainer.strategy.last_reports))
 
 
-def _fit_shards(stages: int, schedule: str, weights: str, beta: float, max_steps: int = -1) -> dict:
+def _fit_shards(
+    stages: int, schedule: str, weights: str, beta: float, max_steps: int = -1, **options: str | None
+) -> dict:
     rank = int(os.environ["RANK"])  # set by run_workers; the process group starts inside fit()
     x, y = _shard(rank // stages)  # every stage of replica d reads shard d
     recorder, reports = ParamRecorder(), _Reports()
     strategy = DecoupledStrategy(
-        stages=stages, split=SPLITS[stages], schedule=schedule, weights=weights, beta=beta, timeout=30
+        stages=stages, split=SPLITS[stages], schedule=schedule, weights=weights, beta=beta, timeout=30, **options
     )
     t = trainer(
         strategy=strategy,
@@ -105,19 +107,23 @@ def test_sync_schedule_equals_single_process_backprop_step_by_step(devices, stag
 
 
 @pytest.mark.parametrize(
-    ("devices", "stages", "schedule", "weights", "beta", "max_steps"),
+    ("devices", "stages", "schedule", "weights", "beta", "max_steps", "options"),
     [
-        (2, 2, "fdg", "stash", 0.5, -1),
-        (4, 4, "ddg", "recompute", 1.0, -1),
-        (4, 2, "fdg", "stash", 1.0, 10),  # stops 3 batches into the second epoch: drained there
+        (2, 2, "fdg", "stash", 0.5, -1, {}),
+        (4, 4, "ddg", "recompute", 1.0, -1, {}),
+        (4, 2, "fdg", "stash", 1.0, 10, {}),  # stops 3 batches into the second epoch: drained there
+        (2, 2, "fdg", "stash", 0.5, -1, {"order": "backward_first", "wire_dtype": "bf16"}),
     ],
 )
-def test_delayed_schedules_follow_the_stale_gradient_reference(devices, stages, schedule, weights, beta, max_steps):
-    out = run_workers(_fit_shards, stages, schedule, weights, beta, max_steps, devices=devices)
+def test_delayed_schedules_follow_the_stale_gradient_reference(
+    devices, stages, schedule, weights, beta, max_steps, options
+):
+    out = run_workers(_fit_shards, stages, schedule, weights, beta, max_steps, **options, devices=devices)
     model = _classifier().net
     blocks = [torch.nn.Sequential(*[model[i] for i in r]) for r in stage_ranges(SPLITS[stages], 4)]
     epochs = _reference_epochs(devices // stages, max_steps)
-    history = simulate(blocks, epochs, schedule, _optimizer, weights, beta)
+    order, wire = options.get("order", "forward_first"), options.get("wire_dtype")
+    history = simulate(blocks, epochs, schedule, _optimizer, weights, beta, order=order, wire=wire)
     drain = update_lag(schedule, 0, stages)
     # Lightning step -> reference iteration: the last step of an epoch also runs the drain
     iterations = []
@@ -214,6 +220,13 @@ def test_fork_launcher_returns_the_whole_trained_model_and_validation_is_consist
         ({"beta": 0.0}, r"`beta` must be a finite number in \(0.0, 1.0\], got 0.0"),
         ({"beta": 1.5}, "`beta` must be"),
         ({"module_attr": ""}, r"`module_attr` must be None \(find the blocks\) or an attribute path"),
+        ({"order": "sideways"}, r"`order` must be one of 'forward_first', 'backward_first', got 'sideways'"),
+        (
+            {"order": "backward_first", "schedule": "ddg"},
+            r"order='backward_first' \(FDG's order\) needs schedule='fdg'",
+        ),
+        ({"wire_dtype": "fp16"}, r"`wire_dtype` must be one of None, 'bf16', got 'fp16'"),
+        ({"link_gbps": 0}, r"`link_gbps` must be a finite number > 0.0, got 0"),
     ],
 )
 def test_bad_arguments_fail_at_construction(kwargs, match):

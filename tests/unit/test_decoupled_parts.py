@@ -215,3 +215,75 @@ def test_the_input_of_a_batch_is_the_tensor_its_first_element_or_first_value():
     assert first_input({"image": x, "label": 0}) is x
     assert first_input({"text": ["a"]}) is None and first_input(()) is None and first_input("a") is None
     assert describe({"text": ["a"], "y": x}) == "a dict of ('text': list, 'y': tensor [3, 2])"
+
+
+def test_fdg_order_lags_one_update_less_before_the_last_stage():
+    from lightning_hier.algorithms.decoupled import Schedule
+
+    for k in range(4):
+        forward_first, backward_first = Schedule("fdg", 4), Schedule("fdg", 4, "backward_first")
+        want = 2 * (3 - k) - 1 if k < 3 else 0
+        assert backward_first.staleness(k) == want
+        # the iteration a batch is applied in is the same in either order: only the forward's weights differ
+        assert backward_first.update_lag(k) == forward_first.update_lag(k)
+    assert Schedule("fdg", 4, "backward_first").drain_iterations == Schedule("fdg", 4).drain_iterations
+    for schedule in ("ddg", "sync"):
+        with pytest.raises(ValueError, match=r"order='backward_first'.*needs schedule 'fdg'"):
+            Schedule(schedule, 2, "backward_first")
+    with pytest.raises(ValueError, match="`order` must be one of"):
+        Schedule("fdg", 2, "sideways")
+
+
+def test_the_fdg_codes_loop_equals_the_formula_reference_of_its_order():
+    """Two independent restatements of FDG's order agree, and differ from the forward-first order."""
+    from tests.pipeline_reference import fdg_loop, simulate
+
+    def blocks() -> list[nn.Module]:
+        torch.manual_seed(0)
+        return [nn.Sequential(nn.Linear(4, 6), nn.Tanh()), nn.Sequential(nn.Linear(6, 6), nn.ReLU()), nn.Linear(6, 3)]
+
+    def sgd(m: nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
+
+    g = torch.Generator().manual_seed(1)
+    epochs = [
+        [(torch.randn(5, 4, generator=g), torch.randint(0, 3, (5,), generator=g)) for _ in range(n)] for n in (6, 2)
+    ]
+    loop = fdg_loop(blocks(), epochs, sgd, beta=0.5)
+    formula = simulate(blocks(), epochs, "fdg", sgd, beta=0.5, order="backward_first")
+    other = simulate(blocks(), epochs, "fdg", sgd, beta=0.5)
+    for k in range(3):
+        assert (
+            len(loop[k]) == len(formula[k]) == (6 + 4) + (2 + 4)
+        )  # epochs of 6 and 2 batches, 4 drain iterations each
+        for t, (a, b) in enumerate(zip(loop[k], formula[k], strict=True)):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=f"stage {k} iteration {t}")
+    assert not torch.allclose(loop[0][-1], other[0][-1], atol=1e-4)  # the order changes stage 0's weights
+
+
+def test_balanced_split_charges_each_stage_the_cuts_it_borders():
+    from lightning_hier.algorithms.decoupled import balanced_split
+
+    costs = [3.0, 3.0, 3.0, 3.0]
+    assert balanced_split(costs, 2) == (2,)  # compute alone: the middle
+    # a wide activation after block 1 (the middle) and a narrow one after block 2
+    assert balanced_split(costs, 2, cut_costs=[5.0, 5.0, 0.5]) == (3,)  # 9 + 0.5 beats 6 + 5
+    # a stage in the middle borders two cuts
+    assert balanced_split([1.0, 1.0, 1.0], 3, cut_costs=[1.0, 1.0]) == (1, 2)
+    with pytest.raises(ValueError, match=r"`cut_costs` needs one entry per cut point \(3\), got 2"):
+        balanced_split(costs, 2, cut_costs=[1.0, 1.0])
+
+
+def test_block_output_bytes_counts_what_each_cut_sends_and_changes_nothing():
+    from lightning_hier.algorithms.decoupled import block_output_bytes
+
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.MaxPool2d(2)), nn.Flatten()]
+    blocks[0].train()
+    before = copy.deepcopy(blocks[0].state_dict())
+    sample = torch.randn(5, 3, 8, 8)
+    assert block_output_bytes(blocks, sample) == [5 * 4 * 4 * 4 * 4, 5 * 64 * 4]
+    assert block_output_bytes(blocks, sample, torch.bfloat16) == [5 * 4 * 4 * 4 * 2, 5 * 64 * 2]
+    assert blocks[0].training  # modes restored, statistics untouched
+    for name, value in blocks[0].state_dict().items():
+        assert torch.equal(value, before[name]), name

@@ -17,26 +17,30 @@ over its data-parallel group ``{d * K + k}``. Pure torch; usable from a plain tr
 - :mod:`.engine`: :class:`DecoupledPipeline`, the lock-step iteration with per-stage FIFOs.
 """
 
-from lightning_hier.algorithms.decoupled.engine import DecoupledPipeline, IterationReport
+from lightning_hier.algorithms.decoupled.engine import WIRE_DTYPES, DecoupledPipeline, IterationReport
 from lightning_hier.algorithms.decoupled.partition import (
     balanced_split,
+    block_output_bytes,
     check_split_points,
     check_stage_count,
     measure_block_costs,
     stage_ranges,
 )
-from lightning_hier.algorithms.decoupled.schedule import SCHEDULES, Schedule
+from lightning_hier.algorithms.decoupled.schedule import ORDERS, SCHEDULES, Schedule
 from lightning_hier.algorithms.decoupled.stage import WEIGHTS, InFlight, StageRunner
 
 __all__ = [
+    "ORDERS",
     "SCHEDULES",
     "WEIGHTS",
+    "WIRE_DTYPES",
     "DecoupledPipeline",
     "InFlight",
     "IterationReport",
     "Schedule",
     "StageRunner",
     "balanced_split",
+    "block_output_bytes",
     "check_split_points",
     "check_stage_count",
     "measure_block_costs",

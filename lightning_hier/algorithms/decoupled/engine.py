@@ -4,20 +4,25 @@ Every rank calls :meth:`DecoupledPipeline.step` once per iteration, all ranks in
 stage ``k`` an iteration is:
 
 1. **input**: stage 0 takes the next batch; a later stage takes the activation (and the labels,
-   which travel with it) that arrived at the end of the previous iteration (``fdg``), or waits for
-   it from stage ``k - 1`` within this iteration (``ddg``, ``sync``: the forward is locked);
+   which travel with it) sent in the previous iteration (``fdg``), or waits for it from stage
+   ``k - 1`` within this iteration (``ddg``, ``sync``: the forward is locked);
 2. **forward**: the last stage computes the loss, backpropagates at once, all-reduces the gradient
    over its data-parallel group and applies it; any other stage pushes ``(batch, input, weight
    version)`` into its FIFO and passes the activation on;
-3. **delayed backward** (stages ``k < K - 1``): if the gradient of the oldest FIFO entry arrived
-   (at the end of the previous iteration; within this one for ``sync``), it is multiplied by
-   ``beta``, backpropagated at the entry's weight version, all-reduced and applied; the input
-   gradient and the batch's loss go on to stage ``k - 1``;
-4. **exchange**: the decoupled messages (activations for ``fdg``, gradients for ``fdg``/``ddg``) to
-   and from both neighbours travel while the stage computes: the receives are posted when the
-   iteration starts, the activation is sent right after the forward and the gradient right after
-   the backward (nonblocking, preallocated buffers), and all of them are waited for when the
-   iteration ends, so what arrives is used in the next iteration.
+3. **delayed backward** (stages ``k < K - 1``): if the gradient of the oldest FIFO entry came (sent
+   in the previous iteration; within this one for ``sync``), it is multiplied by ``beta``,
+   backpropagated at the entry's weight version, all-reduced and applied; the input gradient and
+   the batch's loss go on to stage ``k - 1``. With ``order='backward_first'`` (FDG's order, see
+   :mod:`.schedule`) stages ``k < K - 1`` run step 3 before step 2.
+
+**Messages.** A decoupled direction (activations for ``fdg``, gradients for ``fdg``/``ddg``)
+carries exactly one message per iteration, empty when there is nothing to say. Its receive is
+posted when the previous one is taken and waited for only where the stage needs it (the
+activation when the iteration starts, the gradient just before the delayed backward), and a send
+is waited for only before its link's buffer is written again (:meth:`Mailbox.send_later`): so an
+activation gradient leaving the last stage after its compute travels behind the next iteration's
+forward on both ends. A locked direction is a blocking send/receive within the iteration.
+Evaluation uses mailboxes with their own tag, so it can run while training receives are posted.
 
 No update happens on a stage before its first gradient arrives, so momentum and weight decay do
 not move weights during the warm-up. :meth:`drain` runs the iterations without new input that
@@ -40,10 +45,14 @@ from torch import Tensor, nn
 
 from lightning_hier.algorithms.decoupled.schedule import Schedule
 from lightning_hier.algorithms.decoupled.stage import InFlight, StageRunner
-from lightning_hier.comm import CommStats, all_reduce_mean_
+from lightning_hier.comm import CommStats, Inbox, all_reduce_mean_
 from lightning_hier.comm.p2p import Mailbox, Parcel
 
 Group = dist.ProcessGroup | None
+# training keeps receives posted between iterations; evaluation's messages must not match them
+_TRAIN_TAG, _EVAL_TAG = 0, 1
+WIRE_DTYPES = (None, torch.bfloat16)
+"""What activations and their gradients may travel as (``None``: their own dtype)."""
 LossFn = Callable[[Tensor, Tensor | None], Tensor]
 Apply = Callable[[], None]
 
@@ -80,6 +89,7 @@ class DecoupledPipeline:
         pipe_group: Process group of ``stage_ranks`` (``None`` when ``K == 1``).
         data_group: The data-parallel group of this stage (``None`` without replicas).
         schedule: ``'fdg'``, ``'ddg'`` or ``'sync'`` (see :mod:`.schedule`).
+        order: ``'forward_first'`` or ``'backward_first'`` (FDG's order, ``fdg`` only; see :mod:`.schedule`).
         weights: ``'stash'``, ``'recompute'`` or ``'legacy'`` (see :mod:`.stage`).
         beta: Gradient shrinking: every stage but the last multiplies the incoming gradient by
             ``beta``, so stage ``k``'s gradients are scaled by ``beta ** (K - 1 - k)``.
@@ -88,6 +98,9 @@ class DecoupledPipeline:
         stats: Communication accounting.
         check_gradients: Called with the stage's gradients of every update, before they are
             averaged over the data-parallel replicas (the strategy's ``check_finite`` guard).
+        wire_dtype: ``torch.bfloat16`` sends activations and activation gradients in bfloat16 (half
+            the bytes of float32; the receiver computes in its parameters' dtype again, so only the
+            values crossing a cut are rounded, to 8 significant bits); ``None`` sends them as they are.
         timeout: Longest wait for a neighbour's message (``None``: the pipe group's own limit; with
             gloo that is the timeout the group was created with). A neighbour that does not answer
             in time raises :class:`~lightning_hier.comm.PeerError` naming it.
@@ -113,32 +126,44 @@ class DecoupledPipeline:
         pipe_group: Group = None,
         data_group: Group = None,
         schedule: str = "fdg",
+        order: str = "forward_first",
         weights: str = "stash",
         beta: float = 1.0,
         loss_fn: LossFn | None = None,
         stats: CommStats | None = None,
         check_gradients: Callable[[list[Tensor]], None] | None = None,
+        wire_dtype: torch.dtype | None = None,
         timeout: timedelta | None = None,
     ) -> None:
-        self.schedule = Schedule(schedule, len(stage_ranks))
+        self.schedule = Schedule(schedule, len(stage_ranks), order)
         if not 0 <= stage_index < len(stage_ranks):
             raise ValueError(f"DecoupledPipeline: stage_index {stage_index} out of range [0, {len(stage_ranks)}).")
+        if wire_dtype not in WIRE_DTYPES:
+            raise ValueError(
+                f"DecoupledPipeline: `wire_dtype` must be one of {', '.join(map(str, WIRE_DTYPES))}, "
+                f"got {wire_dtype!r}."
+            )
         if not 0.0 < beta <= 1.0:
             raise ValueError(f"DecoupledPipeline: `beta` must be in (0, 1], got {beta!r}.")
         self.k = stage_index
         self.ranks = list(stage_ranks)
         self.data_group = data_group
         self.beta = beta
+        self.wire_dtype = wire_dtype
         self.loss_fn: LossFn = loss_fn if loss_fn is not None else _cross_entropy
         self.stats = stats if stats is not None else CommStats()
         self.check_gradients = check_gradients
         self.runner = StageRunner(stage, weights)
-        self.mail = Mailbox(pipe_group, self.runner.device, self.stats, timeout)
+        self.mail = Mailbox(pipe_group, self.runner.device, self.stats, timeout, tag=_TRAIN_TAG)
         self._eval_mail: dict[bool, Mailbox] = {}
         self._pipe_group = pipe_group
         self.fifo: deque[InFlight] = deque()
-        self._act_in: Parcel | None = None
-        self._grad_in: Parcel | None = None
+        # the decoupled directions: each iteration's message is taken in the next, where it is needed
+        self._inboxes: dict[str, Inbox] = {}
+        if not self.first and not self.schedule.forward_locked:
+            self._inboxes["activation"] = Inbox(self.mail, self.ranks[self.k - 1])
+        if not self.last and not self.schedule.backward_locked:
+            self._inboxes["gradient"] = Inbox(self.mail, self.ranks[self.k + 1])
         self.iteration = 0
         self.fed = 0
         self.updates = 0
@@ -173,39 +198,19 @@ class DecoupledPipeline:
             apply: Called after the data-parallel mean gradient was written to the stage
                 parameters' ``.grad``: take the optimizer step there (gradients are cleared after).
         """
-        # what arrived in the previous iteration; copied out, so the receive buffers are free
         parcel = self._input(batch)
-        gradient, self._grad_in = _owned(self._grad_in), None
         if batch is not None:
             self.fed += 1
-        # this iteration's decoupled messages travel while the stage computes (posted early,
-        # waited for at the end): activation out after the forward, gradient out after the backward
-        receiving = self.mail.post({}, self._decoupled_sources())
-        sending = []
-        activation: Parcel | None = None
         done: _Done | None = None
-        if parcel is not None:
-            if self.last:
-                done = self._forward_last(parcel, apply)
-            else:
-                activation = self._forward(parcel)
-        if not self.last and not self.schedule.forward_locked:
-            sending.append(self.mail.post({self.ranks[self.k + 1]: activation}, ()))
-        if not self.last:
-            if self.schedule.backward_locked:
-                gradient = self.mail.recv(self.ranks[self.k + 1]) if parcel is not None else None
-            if gradient is not None:
-                done = self._backward(gradient, apply)
-        outgoing = done.outgoing if done is not None else None
-        if not self.first:
-            if self.schedule.backward_locked:
-                if outgoing is not None:
-                    self.mail.send(self.ranks[self.k - 1], outgoing)
-            else:
-                sending.append(self.mail.post({self.ranks[self.k - 1]: outgoing}, ()))
-        self._complete(receiving.wait())
-        for posted in sending:
-            posted.wait()
+        if self.last:
+            done = self._forward_last(parcel, apply) if parcel is not None else None
+            self._send_gradient(done)
+        elif self.schedule.backward_first:  # FDG's order: the forward sees this iteration's update
+            done = self._delayed_backward(parcel is not None, apply)
+            self._forward(parcel)
+        else:
+            self._forward(parcel)
+            done = self._delayed_backward(parcel is not None, apply)
         report = IterationReport(
             self.iteration,
             parcel.tag if parcel is not None else None,
@@ -222,7 +227,10 @@ class DecoupledPipeline:
         if not self.in_flight:
             return []
         reports = [self.step(None, apply) for _ in range(self.schedule.drain_iterations)]
-        if self.fifo or self._act_in is not None or self._grad_in is not None:
+        # the last iteration's messages are empty; nothing may stay posted beyond the pipeline's run
+        late = [inbox.settle() for inbox in self._inboxes.values()]
+        self.mail.flush()
+        if self.fifo or any(parcel is not None for parcel in late):
             raise RuntimeError(f"DecoupledPipeline: stage {self.k} still holds batches after the drain.")
         self.iteration = self.fed = 0
         return reports
@@ -233,15 +241,35 @@ class DecoupledPipeline:
                 return None
             return Parcel(_split_batch(batch), tag=self.fed)
         if self.schedule.forward_locked:
-            parcel = self.mail.recv(self.ranks[self.k - 1]) if batch is not None else None
+            received = self.mail.recv(self.ranks[self.k - 1]) if batch is not None else None
+            parcel = received.clone() if received is not None else None
         else:
-            parcel, self._act_in = self._act_in, None
+            parcel = self._inboxes["activation"].take()  # the previous iteration's
         if parcel is None:
             return None
-        inputs, *targets = parcel.tensors
-        # the FIFO keeps the input beyond the next exchange, which reuses the receive buffer
-        owned = inputs.detach().clone().requires_grad_(inputs.is_floating_point())
-        return Parcel((owned, *(t.clone() for t in targets)), tag=parcel.tag)
+        inputs, *targets = parcel.tensors  # owned copies: the FIFO keeps the input beyond the next receive
+        if self.wire_dtype is not None and inputs.is_floating_point():
+            inputs = inputs.to(self.runner.dtype)  # back from the wire's dtype
+        return Parcel((inputs.requires_grad_(inputs.is_floating_point()), *targets), tag=parcel.tag)
+
+    def _delayed_backward(self, fed: bool, apply: Apply) -> _Done | None:
+        """Backward of the oldest FIFO entry if its gradient is there; its input gradient goes to stage ``k - 1``."""
+        if self.schedule.backward_locked:
+            gradient = self.mail.recv(self.ranks[self.k + 1]) if fed else None  # used before the link's next message
+        else:
+            gradient = self._inboxes["gradient"].take()  # waited for here: it travelled behind the forward
+        done = self._backward(gradient, apply) if gradient is not None else None
+        self._send_gradient(done)
+        return done
+
+    def _send_gradient(self, done: _Done | None) -> None:
+        if self.first:
+            return
+        outgoing = done.outgoing if done is not None else None
+        if not self.schedule.backward_locked:
+            self.mail.send_later(self.ranks[self.k - 1], outgoing)  # one message per iteration, maybe empty
+        elif outgoing is not None:
+            self.mail.send(self.ranks[self.k - 1], outgoing)
 
     def _forward_last(self, parcel: Parcel, apply: Apply) -> _Done:
         inputs, *targets = parcel.tensors
@@ -250,22 +278,25 @@ class DecoupledPipeline:
         loss.backward()
         self._apply(leaves, apply)
         value = float(loss.detach())
-        outgoing = None if self.first else Parcel((_grad_of(inputs),), tag=parcel.tag, value=value)
+        outgoing = None if self.first else Parcel((self._wire(_grad_of(inputs)),), tag=parcel.tag, value=value)
         return _Done(parcel.tag, value, int(inputs.shape[0]), outgoing)
 
-    def _forward(self, parcel: Parcel) -> Parcel | None:
-        inputs, *targets = parcel.tensors
-        if self.staleness == 0:  # sync: the gradient returns before any update
-            output, leaves = self.runner.forward_now(inputs)
-            entry = InFlight(parcel.tag, inputs, output, leaves)
-        else:
-            output, entry = self.runner.forward_delayed(inputs, parcel.tag)
-        self.fifo.append(entry)
-        activation = Parcel((output.detach(), *targets), tag=parcel.tag)
-        if self.schedule.forward_locked:
+    def _forward(self, parcel: Parcel | None) -> None:
+        """Forward on a stage before the last; the activation (and the labels) go to stage ``k + 1``."""
+        activation = None
+        if parcel is not None:
+            inputs, *targets = parcel.tensors
+            if self.staleness == 0:  # sync: the gradient returns before any update
+                output, leaves = self.runner.forward_now(inputs)
+                entry = InFlight(parcel.tag, inputs, output, leaves)
+            else:
+                output, entry = self.runner.forward_delayed(inputs, parcel.tag)
+            self.fifo.append(entry)
+            activation = Parcel((self._wire(output.detach()), *targets), tag=parcel.tag)
+        if not self.schedule.forward_locked:
+            self.mail.send_later(self.ranks[self.k + 1], activation)  # one message per iteration, maybe empty
+        elif activation is not None:
             self.mail.send(self.ranks[self.k + 1], activation)
-            return None
-        return activation
 
     def _backward(self, gradient: Parcel, apply: Apply) -> _Done:
         entry = self.fifo.popleft()
@@ -274,13 +305,22 @@ class DecoupledPipeline:
                 f"DecoupledPipeline: stage {self.k} got the gradient of batch {gradient.tag} but its oldest "
                 f"batch in flight is {entry.batch}: the ranks fell out of lock-step."
             )
-        grad_output = gradient.tensors[0]
+        grad_output = gradient.tensors[0].to(self.runner.dtype)  # it may come in the wire's dtype
         if self.beta != 1.0:
             grad_output = grad_output * self.beta
         leaves = self.runner.backward_delayed(entry, grad_output)
         self._apply(leaves, apply)
-        outgoing = None if self.first else Parcel((_grad_of(entry.inputs),), tag=entry.batch, value=gradient.value)
+        outgoing = None
+        if not self.first:
+            outgoing = Parcel((self._wire(_grad_of(entry.inputs)),), tag=entry.batch, value=gradient.value)
         return _Done(entry.batch, gradient.value, int(entry.inputs.shape[0]), outgoing)
+
+    def _wire(self, tensor: Tensor) -> Tensor:
+        """``tensor`` as it travels: in ``wire_dtype`` when that is set and ``tensor`` is a wider float."""
+        wire = self.wire_dtype
+        if wire is None or not tensor.is_floating_point() or tensor.element_size() <= wire.itemsize:
+            return tensor
+        return tensor.to(wire)
 
     def _apply(self, leaves: list[Tensor], apply: Apply) -> None:
         grads = self.runner.grads(leaves)
@@ -295,21 +335,6 @@ class DecoupledPipeline:
         self.runner.clear_grads()
         self.updates += 1
 
-    def _decoupled_sources(self) -> list[int]:
-        """Neighbours whose message of this iteration is used in the next one."""
-        sources = []
-        if not self.first and not self.schedule.forward_locked:
-            sources.append(self.ranks[self.k - 1])  # activations
-        if not self.last and not self.schedule.backward_locked:
-            sources.append(self.ranks[self.k + 1])  # gradients
-        return sources
-
-    def _complete(self, got: dict[int, Parcel | None]) -> None:
-        if not self.first and not self.schedule.forward_locked:
-            self._act_in = got[self.ranks[self.k - 1]]
-        if not self.last and not self.schedule.backward_locked:
-            self._grad_in = got[self.ranks[self.k + 1]]
-
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
     def forward_eval(self, inputs: Tensor) -> Tensor:
@@ -318,7 +343,7 @@ class DecoupledPipeline:
         Every stage of the replica returns the last stage's output. Call it on all stages of the
         replica together (in evaluation mode for BatchNorm and dropout).
         """
-        box = Mailbox(self._pipe_group, self.runner.device, self.stats, self.mail.timeout)
+        box = Mailbox(self._pipe_group, self.runner.device, self.stats, self.mail.timeout, tag=_EVAL_TAG)
         mail = self._eval_mail.setdefault(torch.is_inference_mode_enabled(), box)
         hidden = inputs if self.first else _received(mail.recv(self.ranks[self.k - 1]))
         output = self.runner.module(hidden)
@@ -342,13 +367,6 @@ def _cross_entropy(output: Tensor, target: Tensor | None) -> Tensor:
     if target is None:
         raise ValueError("DecoupledPipeline: the default loss (cross-entropy) needs targets: feed (inputs, targets).")
     return F.cross_entropy(output, target)
-
-
-def _owned(parcel: Parcel | None) -> Parcel | None:
-    """A copy of a received parcel that outlives the next receive into the same buffer."""
-    if parcel is None:
-        return None
-    return Parcel(tuple(t.clone() for t in parcel.tensors), tag=parcel.tag, value=parcel.value)
 
 
 def _split_batch(batch: Any) -> tuple[Tensor, ...]:

@@ -54,14 +54,27 @@ def stage_ranges(split: Sequence[int], num_blocks: int) -> list[range]:
     return [range(a, b) for a, b in pairwise(bounds)]
 
 
-def balanced_split(costs: Sequence[float], num_stages: int) -> tuple[int, ...]:
-    """Contiguous partition of ``costs`` into ``num_stages`` non-empty parts minimising the largest part's sum.
+def balanced_split(
+    costs: Sequence[float], num_stages: int, cut_costs: Sequence[float] | None = None
+) -> tuple[int, ...]:
+    """Contiguous partition of ``costs`` into ``num_stages`` non-empty parts minimising the slowest part.
+
+    A part's time is the sum of its blocks' ``costs`` plus, with ``cut_costs``, the cost of each
+    cut it borders: ``cut_costs[i]`` is what cutting after block ``i`` adds to each of the two
+    stages it joins (the time of its messages: the activation one way, its gradient the other).
+    So a cut where the network is narrow wins over an equally balanced one where it is wide.
 
     Exact dynamic programme, ``O(num_stages * n^2)``; ties are broken deterministically (the
     earliest cut wins), so every rank computing it from the same costs gets the same split.
+
+    Raises:
+        ValueError: Too many stages for the blocks, or ``cut_costs`` not of length ``len(costs) - 1``.
     """
     n = len(costs)
     check_stage_count(n, num_stages)
+    if cut_costs is not None and len(cut_costs) != n - 1:
+        raise ValueError(f"balanced_split: `cut_costs` needs one entry per cut point ({n - 1}), got {len(cut_costs)}.")
+    edge = [0.0, *(float(c) for c in (cut_costs or [0.0] * (n - 1))), 0.0]  # edge[i]: a stage starting/ending at i
     prefix = [0.0]
     for c in costs:
         prefix.append(prefix[-1] + float(c))
@@ -73,7 +86,7 @@ def balanced_split(costs: Sequence[float], num_stages: int) -> tuple[int, ...]:
     for j in range(1, num_stages + 1):
         for i in range(j, n - (num_stages - j) + 1):
             for c in range(j - 1, i):
-                value = max(best[j - 1][c], prefix[i] - prefix[c])
+                value = max(best[j - 1][c], prefix[i] - prefix[c] + edge[c] + edge[i])
                 if value < best[j][i]:
                     best[j][i], cut[j][i] = value, c
     points: list[int] = []
@@ -120,6 +133,30 @@ def measure_block_costs(blocks: Sequence[nn.Module], sample: Tensor, repeats: in
             for p in block.parameters():
                 p.grad = None
     return costs
+
+
+def block_output_bytes(blocks: Sequence[nn.Module], sample: Tensor, wire_dtype: torch.dtype | None = None) -> list[int]:
+    """Bytes of each block's output on ``sample`` (what a cut after the block sends each way).
+
+    With ``wire_dtype``, floating outputs wider than it count at its size (they travel in it).
+    Runs the blocks in eval mode without gradients (buffers and the global RNG are untouched) and
+    restores their modes.
+    """
+    modes = [b.training for b in blocks]
+    sizes = []
+    h = sample
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[sample.device] if sample.device.type == "cuda" else []):
+            for block in blocks:
+                h = block.eval()(h)
+                size = h.element_size()
+                if wire_dtype is not None and h.is_floating_point():
+                    size = min(size, wire_dtype.itemsize)
+                sizes.append(h.numel() * size)
+    finally:
+        for block, mode in zip(blocks, modes, strict=True):
+            block.train(mode)
+    return sizes
 
 
 def _sync(device: torch.device) -> None:

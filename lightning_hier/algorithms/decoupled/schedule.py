@@ -18,11 +18,27 @@ schedule   forward           backward          staleness ``tau_k`` of stage ``k`
 A decoupled direction moves one hop per iteration (messages are exchanged at the end of each
 iteration); a locked one crosses the whole pipeline inside one iteration.
 
-Order within an iteration (a decision): forward first, delayed backward second. With the other
-order the forward would already see the update made in the same iteration, so FDG's stages
-``k < K - 1`` would lag ``2 (K - 1 - k) - 1`` updates while the last lags 0; forward-first makes
-the update lag equal the index lag ``tau_k`` on every stage and schedule (one rule for all), and it
-is the only order in which DDG's locked forward chain can run without waiting on backward passes.
+Order within an iteration (:data:`ORDERS`; a stage's index arithmetic does not depend on it,
+only which weights its forward sees):
+
+- ``'forward_first'`` (the default): forward, then the delayed backward and update. The update lag
+  equals the index lag ``tau_k`` on every stage and schedule (one rule for all), it is the only
+  order in which DDG's locked forward chain runs without waiting on backward passes, and it lets
+  the activation leave a stage in the middle of its iteration.
+- ``'backward_first'`` (``fdg`` only): the delayed backward and update, then the forward, as the
+  FDG reference code (github.com/ZHUANGHP/FDG, ``TrainDg``) runs a module. The forward already
+  sees the update made in the same iteration, so stages ``k < K - 1`` lag ``2 (K - 1 - k) - 1``
+  updates (one fewer) while the last stage lags 0.
+
+Decision: ``forward_first`` stays the default. With one message hop per iteration, FDG's order
+sends the activation only when the stage's whole iteration is done, so the link's transfer time
+joins the pipeline's critical cycle: for ``K = 2`` an iteration takes at least
+``(C_0 + C_1) / 2 + L`` (``C_k`` a stage's compute, ``L`` one transfer) against
+``max(C_0, C_1, C_1 / 2 + L)`` forward first; and checkpoints, tests and earlier results assume
+the forward-first staleness. The price is one update more staleness: on the recipe's CNN (K = 2,
+beta 0.5, 8 epochs, one seed) FDG's order ended at 0.668 validation accuracy, forward first at
+0.654, plain backprop at 0.674, while FDG's order ran 5-9 % fewer samples/s
+(``recipes/decoupled/README.md``). Choose ``backward_first`` when accuracy per epoch matters more.
 """
 
 from __future__ import annotations
@@ -30,6 +46,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 SCHEDULES = ("fdg", "ddg", "sync")
+ORDERS = ("forward_first", "backward_first")
 
 
 @dataclass(frozen=True)
@@ -39,16 +56,31 @@ class Schedule:
     Args:
         name: ``'fdg'``, ``'ddg'`` or ``'sync'``.
         num_stages: Number of pipeline stages ``K``.
+        order: ``'forward_first'`` or ``'backward_first'`` (FDG's order; ``fdg`` only): see the
+            module docstring.
     """
 
     name: str
     num_stages: int
+    order: str = "forward_first"
 
     def __post_init__(self) -> None:
         if self.name not in SCHEDULES:
             raise ValueError(f"Schedule: `name` must be one of {', '.join(map(repr, SCHEDULES))}, got {self.name!r}.")
         if self.num_stages < 1:
             raise ValueError(f"Schedule: `num_stages` must be >= 1, got {self.num_stages}.")
+        if self.order not in ORDERS:
+            raise ValueError(f"Schedule: `order` must be one of {', '.join(map(repr, ORDERS))}, got {self.order!r}.")
+        if self.order == "backward_first" and self.name != "fdg":
+            raise ValueError(
+                f"Schedule: order='backward_first' (FDG's order) needs schedule 'fdg', got {self.name!r}: a locked "
+                "direction crosses the pipeline within the iteration, so it runs forward first."
+            )
+
+    @property
+    def backward_first(self) -> bool:
+        """Whether a stage applies its delayed gradient before it forwards (FDG's order)."""
+        return self.order == "backward_first"
 
     @property
     def forward_locked(self) -> bool:
@@ -68,7 +100,9 @@ class Schedule:
         """``tau_k``: updates between the forward of a batch on ``stage`` and the update with its gradient."""
         self._check(stage)
         hops = self.num_stages - 1 - stage
-        return hops * (int(not self.forward_locked) + int(not self.backward_locked))
+        lag = hops * (int(not self.forward_locked) + int(not self.backward_locked))
+        # FDG's order: the forward already saw the update of its own iteration (none on the last stage)
+        return lag - 1 if self.backward_first and hops > 0 else lag
 
     def forward_lag(self, stage: int) -> int:
         """Stage ``stage`` forwards batch ``b`` at iteration ``b + forward_lag``."""
@@ -76,8 +110,10 @@ class Schedule:
         return 0 if self.forward_locked else stage
 
     def update_lag(self, stage: int) -> int:
-        """Stage ``stage`` applies batch ``b``'s gradient at iteration ``b + update_lag``."""
-        return self.forward_lag(stage) + self.staleness(stage)
+        """Stage ``stage`` applies batch ``b``'s gradient at iteration ``b + update_lag`` (either order)."""
+        self._check(stage)
+        hops = self.num_stages - 1 - stage
+        return self.forward_lag(stage) + hops * (int(not self.forward_locked) + int(not self.backward_locked))
 
     @property
     def drain_iterations(self) -> int:

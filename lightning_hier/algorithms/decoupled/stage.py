@@ -101,6 +101,11 @@ class StageRunner:
         self.buffers = [b for _, b in module.named_buffers()]
 
     @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the stage computes in (that of its first parameter; float32 without parameters)."""
+        return self.params[0].dtype if self.params else torch.float32
+
+    @property
     def device(self) -> torch.device:
         return self.flat.buckets[0].device if self.flat.buckets else torch.device("cpu")
 
