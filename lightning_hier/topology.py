@@ -159,6 +159,18 @@ class Topology:
             node=groups["node"],
         )
 
+    def build_service_group(self, timeout: timedelta | None = None) -> dist.ProcessGroup:
+        """A second group over every rank, for a background service (the parameter server).
+
+        A collective call on all ranks, made once. A service thread's point-to-point traffic gets
+        its own group so it never shares one with the training thread's collectives.
+        """
+        if not dist.is_initialized() or dist.get_world_size() != self.world_size:
+            raise RuntimeError(f"Topology.build_service_group: needs the default group of {self.world_size} ranks.")
+        group = dist.new_group(list(range(self.world_size)), timeout=timeout)
+        assert group is not None
+        return group
+
     def _new_groups(
         self, all_groups: list[list[int]], rank: int, timeout: timedelta | None
     ) -> dist.ProcessGroup | None:

@@ -7,25 +7,44 @@ from lightning_hier.algorithms.dbs_sampler import Allocation, DynamicBatchSample
 from lightning_hier.algorithms.decoupled import DecoupledPipeline
 from lightning_hier.algorithms.grawa import GradientWeightedCenter, NormEMA, grad_norms, probe_grad_norms
 from lightning_hier.algorithms.hpsgd import HPSGD, Merge
+from lightning_hier.algorithms.param_server import DONE, PULL, PUSH, Handler, Reply, Request, ServerCore, ServerStats
+from lightning_hier.algorithms.ps_rules import AsgdHandler, FlatModel, SoftsyncHandler
+from lightning_hier.algorithms.ps_service import LocalClient, ParameterServer, RemoteClient, Worker, connect
 
 __all__ = [
+    "DONE",
     "HPSGD",
+    "PULL",
+    "PUSH",
     "Allocation",
+    "AsgdHandler",
     "CenterPolicy",
     "DecoupledPipeline",
     "DynamicBatchSampler",
     "DynamicBatchSize",
     "ElasticCenter",
+    "FlatModel",
     "GradientWeightedCenter",
+    "Handler",
     "LeaderCenter",
+    "LocalClient",
     "LocalSGD",
     "Merge",
     "NormEMA",
+    "ParameterServer",
     "PeriodicAveraging",
     "PeriodicSchedule",
+    "RemoteClient",
+    "Reply",
+    "Request",
     "RoundReport",
+    "ServerCore",
+    "ServerStats",
+    "SoftsyncHandler",
     "ThroughputMeter",
     "UniformCenter",
+    "Worker",
+    "connect",
     "float_buffers",
     "grad_norms",
     "probe_grad_norms",
