@@ -79,7 +79,7 @@ def replay(order: list[int], workers: int, tau: int, steps: int, variant: str) -
         n = norms if variant == "layer" else norms.sum().reshape(1)
         m[w] = BETA * m[w] + (1 - BETA) * n
         r[w] += 1
-        server_s[w] = 1.0 / (m[w] / (1 - BETA**r[w]) + EPS) ** P
+        server_s[w] = 1.0 / (m[w] / (1 - BETA ** r[w]) + EPS) ** P
         server_x[w] = [p.clone() for p in x[w]]
         weights, c = center()
         seen.append(weights)
@@ -97,3 +97,34 @@ def replay(order: list[int], workers: int, tau: int, steps: int, variant: str) -
             local_steps(w, steps - done[w])
             report(w, 0.0)  # final reports commute: each only records its replica and score
     return {"replicas": x, "consensus": center()[1], "weights": seen}
+
+
+class LibraryWorker:
+    """One worker of the same workload built from the library's pieces (what the tests check against :func:`replay`).
+
+    Args:
+        worker: Its index (rank).
+        variant: ``'model'`` or ``'layer'``.
+        tau: Its period.
+        group: The data-parallel group (``None`` in a single-process simulation).
+    """
+
+    def __init__(self, worker: int, variant: str, tau: int, group: object = None) -> None:
+        from lightning_hier.algorithms import PeriodicAveraging
+        from lightning_hier.algorithms.grawa_async import AsyncGradientWeightedCenter
+
+        self.worker, self.done = worker, 0
+        self.params = [torch.nn.Parameter(t) for t in initial_params()]
+        self.policy = AsyncGradientWeightedCenter(variant, beta=BETA, eps=EPS, p=P)
+        self.algo = PeriodicAveraging(self.params, group, self.policy, tau, lam=LAM, rho=RHO)  # type: ignore[arg-type]
+        self.opt = torch.optim.SGD(self.params, lr=LR)
+
+    def step(self):
+        for p, g in zip(self.params, grads([p.detach() for p in self.params], self.worker, self.done), strict=True):
+            p.grad = g
+        self.opt.step()
+        self.done += 1
+        return self.algo.step()
+
+    def replica(self) -> list[Tensor]:
+        return [p.detach().clone() for p in self.params]

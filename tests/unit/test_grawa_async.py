@@ -5,10 +5,8 @@ import threading
 import pytest
 import torch
 
-from lightning_hier.algorithms import PeriodicAveraging
 from lightning_hier.algorithms.grawa_async import (
     REPORT,
-    AsyncGradientWeightedCenter,
     GrawaServerHandler,
     pack,
     unpack_into_,
@@ -55,11 +53,9 @@ def test_server_weights_the_reporters_and_records_each_pull():
 
 
 def _simulate(order: list[int], workers: int, tau: int, steps: int, variant: str):
-    """The library's pieces in one process: PeriodicAveraging workers calling an in-process ServerCore."""
-    params = [[torch.nn.Parameter(t) for t in ref.initial_params()] for _ in range(workers)]
-    policies = [AsyncGradientWeightedCenter(variant, beta=ref.BETA, eps=ref.EPS, p=ref.P) for _ in range(workers)]
-    algos = [PeriodicAveraging(ps, None, pol, tau, lam=ref.LAM, rho=ref.RHO) for ps, pol in zip(params, policies)]
-    core = ServerCore(GrawaServerHandler(algos[0].flat, list(range(workers)), variant), list(range(workers)))
+    """The library's pieces in one process: LibraryWorkers calling an in-process ServerCore."""
+    ws = [ref.LibraryWorker(w, variant, tau) for w in range(workers)]
+    core = ServerCore(GrawaServerHandler(ws[0].algo.flat, list(range(workers)), variant), list(range(workers)))
     lock, barrier = threading.Lock(), threading.Barrier(workers)
     versions = [0] * workers
     seen = []
@@ -73,30 +69,20 @@ def _simulate(order: list[int], workers: int, tau: int, steps: int, variant: str
 
         return call
 
-    for w, pol in enumerate(policies):
-        pol.connect(link(w), lambda: barrier.wait(timeout=10))
-    done = [0] * workers
-    opts = [torch.optim.SGD(ps, lr=ref.LR) for ps in params]
-
-    def local_step(w: int):
-        for p, g in zip(params[w], ref.grads([p.detach() for p in params[w]], w, done[w]), strict=True):
-            p.grad = g
-        opts[w].step()
-        done[w] += 1
-        return algos[w].step()
-
+    for w in ws:
+        w.policy.connect(link(w.worker), lambda: barrier.wait(timeout=10))
     for w in order:
-        reports = [local_step(w) for _ in range(tau)]
+        reports = [ws[w].step() for _ in range(tau)]
         assert reports[-1] is not None and all(r is None for r in reports[:-1])
         seen.append(reports[-1].weights)
-    for w in range(workers):
-        while done[w] < steps:
-            assert local_step(w) is None
-    replicas = [[p.detach().clone() for p in ps] for ps in params]
-    threads = [threading.Thread(target=a.finalize) for a in algos]  # finalizing is collective: a barrier
+    for w in ws:
+        while w.done < steps:
+            assert w.step() is None
+    replicas = [w.replica() for w in ws]
+    threads = [threading.Thread(target=w.algo.finalize) for w in ws]  # finalizing is collective: a barrier
     [t.start() for t in threads]
     [t.join(30) for t in threads]
-    return {"replicas": replicas, "consensus": [[p.detach() for p in ps] for ps in params], "weights": seen}
+    return {"replicas": replicas, "consensus": [w.replica() for w in ws], "weights": seen}
 
 
 @pytest.mark.parametrize("variant", ["model", "layer"])
