@@ -233,6 +233,8 @@ class PeriodicAveraging:
     def _consensus_params(self) -> list[Tensor] | None:
         """The consensus model's buckets, or None when this replica already is it (a collective)."""
         if not self.policy.lock_step:  # the server's center: the other replicas moved since this rank's round
+            if self.schedule.since_sync == 0 and self._replicas_equal:
+                return None  # at the start or after the end of fit, every replica is the consensus
             c = self.flat.clone()
             self.policy.combine(c, self._context(fresh=False))
             return c
@@ -253,7 +255,8 @@ class PeriodicAveraging:
 
     @torch.no_grad()
     def _consensus_buffers(self) -> list[Tensor] | None:
-        synced = self.policy.lock_step and self.schedule.since_sync == 0  # buffers were averaged by the round
+        # buffers were averaged by the last round (lock-step) or the last consensus (finalize)
+        synced = self.schedule.since_sync == 0 and (self.policy.lock_step or self._replicas_equal)
         if self.flat_buffers is None or synced or self.group is None:
             return None
         mean = self.flat_buffers.clone()

@@ -1,0 +1,67 @@
+"""The parameter server of asynchronous GRAWA rounds, for the strategy: start, checkpoint state, stop.
+
+Every rank builds the dedicated service group (a collective, once, at set-up), rank 0 starts
+the serving thread (and trains too), every rank gets its :class:`~lightning_hier.algorithms.ps_service.Worker`.
+The server lives from set-up to the end of fit: finalizing may happen more than once before the
+real end (training may go on after it), so the ranks tell the server they are done only in
+``on_train_end``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from lightning_hier.algorithms.grawa_async import GrawaServerHandler
+from lightning_hier.algorithms.param_server import ServerCore
+from lightning_hier.algorithms.ps_service import ParameterServer, Worker, connect
+from lightning_hier.comm import FlatTensors
+from lightning_hier.topology import Topology
+
+SERVER_RANK = 0
+
+
+@dataclass
+class AsyncRounds:
+    """This rank's side of the asynchronous rounds: the server (rank 0 only) and its worker link."""
+
+    server: ParameterServer | None
+    worker: Worker
+    timeout: timedelta
+
+    @classmethod
+    def start(cls, topology: Topology, flat: FlatTensors, variant: str, timeout: timedelta) -> AsyncRounds:
+        """Build the service group and connect (a collective on every rank); rank 0 starts serving.
+
+        Args:
+            topology: The run's layout (every rank is a data-parallel worker).
+            flat: This rank's flat parameter buckets (the server's template and initial replicas).
+            variant: GRAWA's ``'model'`` or ``'layer'``.
+            timeout: Longest silence of a worker, and longest wait for a reply.
+        """
+        group = topology.build_service_group(timeout)
+        rank, workers = dist.get_rank(), list(range(topology.world_size))
+
+        def core() -> ServerCore:
+            return ServerCore(GrawaServerHandler(flat, workers, variant), workers)
+
+        server, worker = connect(core, group, rank, SERVER_RANK, timeout)
+        return cls(server, worker, timeout)
+
+    def load_server_state(self, state: dict[str, Any]) -> None:
+        """Restore the server's table from a checkpoint (rank 0; before any worker reports)."""
+        if self.server is not None:
+            with self.server.lock:
+                self.server.core.load_state_dict(state)
+
+    def stop(self) -> dict[str, float]:
+        """Tell the server this rank is done; on rank 0 wait for every rank. Returns the staleness metrics (rank 0)."""
+        self.worker.done()
+        if self.server is None:
+            return {}
+        # every other rank sends DONE right after its own end of fit: allow them the silence limit
+        self.server.join(2 * self.timeout.total_seconds())
+        return self.server.core.stats.summary()
