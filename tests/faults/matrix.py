@@ -7,8 +7,9 @@ from typing import NamedTuple
 
 from tests.faults.fault_fit import FAULTS
 
-FAMILIES = ("mgrawa", "hpsgd", "dbs", "decoupled", "grid2d", "ddp_post_local_sgd")
-"""One strategy per family (mgrawa stands for the averaging family: localsgd, easgd, lsgd, grawa)."""
+FAMILIES = ("mgrawa", "mgrawa@async", "hpsgd", "dbs", "decoupled", "grid2d", "ddp_post_local_sgd")
+"""One strategy per family (mgrawa stands for the averaging family: localsgd, easgd, lsgd, grawa;
+``mgrawa@async`` for its rounds over the parameter server)."""
 START_METHODS = ("fork", "popen")
 
 
@@ -33,4 +34,6 @@ SUBSET = [
     Cell("grid2d", "fork", "kill1"),
     Cell("ddp_post_local_sgd", "fork", "raise"),
     Cell("mgrawa", "fork", "kill_save"),
+    Cell("mgrawa@async", "fork", "hang"),
+    Cell("mgrawa@async", "fork", "kill0"),
 ]
