@@ -31,6 +31,7 @@ class AsyncRounds:
     server: ParameterServer | None
     worker: Worker
     timeout: timedelta
+    stopped: bool = False
 
     @classmethod
     def start(cls, topology: Topology, flat: FlatTensors, variant: str, timeout: timedelta) -> AsyncRounds:
@@ -60,6 +61,7 @@ class AsyncRounds:
     def stop(self) -> dict[str, float]:
         """Tell the server this rank is done; on rank 0 wait for every rank. Returns the staleness metrics (rank 0)."""
         self.worker.done()
+        self.stopped = True
         if self.server is None:
             return {}
         # every other rank sends DONE right after its own end of fit: allow them the silence limit

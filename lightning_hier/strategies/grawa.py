@@ -163,9 +163,9 @@ class GrawaStrategy(AveragingStrategy):
     @override
     def on_train_end(self) -> None:
         super().on_train_end()  # the final round (finish_training) comes first
-        if self._async is not None:
+        if self._async is not None and not self._async.stopped:
+            # kept after it stops: a checkpoint saved after fit still holds the server's table
             self.last_metrics.update(self._async.stop())
-            self._async = None
 
     @override
     def _algorithm_state(self) -> dict[str, Any]:

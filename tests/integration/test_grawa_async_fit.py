@@ -1,5 +1,6 @@
 """Asynchronous GRAWA (``rounds='async'``) under a real Trainer: 3 forked ranks, consensus, server accounting."""
 
+import os
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,10 @@ def _data(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(N, 1, 8, 8, generator=g), torch.randint(0, 10, (N,), generator=g) % (3 + rank)
 
 
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else int(os.environ["RANK"])  # before the Trainer joins
+
+
 class _ValidationWeights(Callback):
     """Records the weights the rank validates (the consensus model) at every validation."""
 
@@ -35,7 +40,7 @@ class _ValidationWeights(Callback):
 def _fit(variant: str, path: str) -> dict:
     torch.manual_seed(0)
     module = Classifier(mlp((1, 8, 8), 10, hidden=(16,)), 10, lr=0.05, momentum=0.9, nesterov=False)
-    x, y = _data(dist.get_rank() if dist.is_initialized() else int(__import__("os").environ["RANK"]))
+    x, y = _data(_rank())
     loader = DataLoader(TensorDataset(x, y), batch_size=BATCH, shuffle=False)
     strategy = GrawaStrategy(variant=variant, rounds="async", tau=TAU, probe="batch", timeout=30)
     recorder = _ValidationWeights()
@@ -64,3 +69,28 @@ def test_async_rounds_fit_with_one_consensus_everywhere(variant, tmp_path: Path)
     assert metrics["ps/applied"] == 4 * W and metrics["ps/updates"] == 4 * W
     assert 0 <= metrics["ps/staleness_mean"] <= metrics["ps/staleness_max"] <= 4 * W - 1
     assert "grawa/weight/rank2" in metrics
+
+
+def _resume(path: str) -> dict:
+    torch.manual_seed(0)
+    module = Classifier(mlp((1, 8, 8), 10, hidden=(16,)), 10, lr=0.05, momentum=0.9, nesterov=False)
+    x, y = _data(_rank())
+    loader = DataLoader(TensorDataset(x, y), batch_size=BATCH, shuffle=False)
+    strategy = GrawaStrategy(rounds="async", tau=TAU, probe="batch", timeout=30)
+    t = trainer(strategy=strategy, devices=W, max_epochs=EPOCHS + 1, use_distributed_sampler=False)
+    t.fit(module, loader, ckpt_path=path)
+    return {"params": flat_params(module), "metrics": dict(strategy.last_metrics)}
+
+
+def test_async_rounds_resume_with_the_servers_table(tmp_path: Path):
+    path = str(tmp_path / "async.ckpt")
+    run_workers(_fit, "model", path, devices=W, timeout=120)
+    ranks = torch.load(path, weights_only=False)["lightning_hier"]["ranks"]
+    server = ranks[0]["algorithm"]["server"]  # rank 0 saved the server: every rank's latest replica
+    assert len(server["handler"]["replicas"]) == W and bool(server["handler"]["reported"].all())
+    assert all("server" not in r["algorithm"] for r in ranks[1:])
+    out = run_workers(_resume, path, devices=W, timeout=120)
+    for rank in range(W):
+        assert torch.equal(out[rank]["params"], out[0]["params"])
+    # the restored server counts on: 12 reports before, then a round (step 3) and a final report per rank
+    assert out[0]["metrics"]["ps/applied"] == 4 * W + 2 * W
