@@ -39,6 +39,8 @@ _LIGHTNING_ERROR = _import_lightning()
 if TYPE_CHECKING or _LIGHTNING_ERROR is None:
     from lightning_hier.strategies import (
         STRATEGIES,
+        AsgdStrategy,
+        AsyncDBSStrategy,
         CheckpointError,
         DBSStrategy,
         DDPCommHookStrategy,
@@ -51,6 +53,7 @@ if TYPE_CHECKING or _LIGHTNING_ERROR is None:
         LocalSGDStrategy,
         LsgdStrategy,
         NonFiniteError,
+        SoftsyncStrategy,
         register_all,
     )
 
@@ -76,6 +79,8 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "STRATEGIES",
+    "AsgdStrategy",
+    "AsyncDBSStrategy",
     "CheckpointError",
     "DBSStrategy",
     "DDPCommHookStrategy",
@@ -88,6 +93,7 @@ __all__ = [
     "LocalSGDStrategy",
     "LsgdStrategy",
     "NonFiniteError",
+    "SoftsyncStrategy",
     "Topology",
     "__version__",
 ]

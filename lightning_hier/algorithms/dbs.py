@@ -19,7 +19,8 @@ samples left at the end of an epoch form one smaller global batch, split by the 
 (``r_w``, a rank may get 0) and weighted ``r_w / R``, so that step too equals single-process SGD on
 those ``R`` samples. The data side is in
 :mod:`lightning_hier.algorithms.dbs_sampler`. The asynchronous parameter-server form of the 2019
-paper is not implemented (it would need ``torch.distributed.rpc``).
+paper is ``dbs_async`` (:mod:`lightning_hier.strategies.dbs_async`), over
+:mod:`lightning_hier.algorithms.param_server`.
 
 Pure torch: usable from a plain training loop::
 
@@ -206,6 +207,11 @@ class DynamicBatchSize:
         # the step's gradient is reduced with one weight (the first share); a micro-batch with
         # another share (the last, smaller batch after full ones) rescales its loss to match
         self._loss_scale = share / self._window_weight if self._window_weight else 0.0
+
+    @property
+    def step_share(self) -> float:
+        """``b_w / B`` of the current step (the weight of this rank's gradient; 0 without samples)."""
+        return self._window_weight or 0.0
 
     def loss_scale(self) -> float:
         """Factor for the loss of the current micro-batch before its backward.

@@ -8,8 +8,9 @@ runs it in a thread and carries requests over ``torch.distributed`` point-to-poi
 A *request* is ``(worker, kind, payload tensors)`` plus the server version the worker last pulled,
 its batch size and how long its iteration took. The update rule is a :class:`Handler`: it gets
 each request and returns the replies to send now, by worker. A handler may defer a reply (n-softsync
-answers a group of workers only once their average is applied); :class:`ServerCore` then calls
-:meth:`Handler.flush` as soon as every worker still training is waiting, so no schedule deadlocks.
+answers a group of workers only once their average is applied with ``n = 1``); :class:`ServerCore`
+then calls :meth:`Handler.flush` as soon as every worker still training is waiting, so no schedule
+deadlocks, and once more when every worker has sent :data:`DONE`, so nothing stays pending.
 
 Staleness of an applied gradient (or any contribution) is the number of server updates between
 the worker's pull and the update that applies it; the handler reports each update with
@@ -96,7 +97,10 @@ class Handler(Protocol):
         """Serve a :data:`PULL`, :data:`PUSH` or own-kind request; return the replies to send now, by worker."""
 
     def flush(self, ctx: ServerContext) -> dict[int, tuple[Tensor, ...]]:
-        """Every worker still training waits for a reply: apply what is pending and answer them all."""
+        """Apply what is pending; answer the workers that wait (every worker still training does).
+
+        Also called when every worker has finished (no one waits: the replies are ignored).
+        """
 
     def consensus(self) -> list[Tensor]:
         """The consensus state (the server's model), as the tensors a worker loads."""
@@ -236,7 +240,9 @@ class ServerCore:
 
     def _settle(self, replies: dict[int, tuple[Tensor, ...]]) -> dict[int, Reply]:
         self.waiting.difference_update(replies)
-        if self.waiting and self.waiting == set(self.workers) - self.done:
+        if self.finished:
+            self.handler.flush(self)  # contributions still pending when the last worker finished
+        elif self.waiting and self.waiting == set(self.workers) - self.done:
             more = self.handler.flush(self)
             self.waiting.difference_update(more)
             replies = {**replies, **more}

@@ -116,7 +116,7 @@ class AsgdHandler:
         return {}  # nothing is ever deferred
 
     def consensus(self) -> list[Tensor]:
-        return [p.detach() for p in self.model.params]
+        return [self.model.flat]  # what a reply carries
 
     def state_dict(self) -> dict[str, Any]:
         return {"model": self.model.state_dict()}
@@ -126,11 +126,15 @@ class AsgdHandler:
 
 
 class SoftsyncHandler(AsgdHandler):
-    """n-softsync: apply the average of every ``ceil(W / n)`` pushed gradients; reply to their workers then.
+    """n-softsync: apply the average of every ``ceil(W / n)`` pushed gradients.
 
-    The average weights each gradient by its batch size (uniform when sizes are not given), so
-    equal batches give the gradient of the concatenated batch. When every worker still training
-    is waiting (the end of training, or fewer workers than a group), the pending gradients are
+    With ``n = 1`` (groups of all ``W`` workers) a worker's reply waits for the update its
+    gradient joins: each group then holds exactly one gradient of every worker, and the run is
+    synchronous SGD on the concatenated batches. With ``n > 1`` the reply is the current weights at
+    once, as for Zhang et al.'s learners: a reply that waited for a smaller group could need a
+    worker that already waits in a collective of the training loop (an epoch's end), a deadlock.
+    The average weights each gradient by its batch size (uniform when sizes are not given). When
+    every worker has finished (or every worker still training waits), the pending gradients are
     applied as a smaller group: every pushed gradient is applied exactly once.
 
     Args:
@@ -145,6 +149,7 @@ class SoftsyncHandler(AsgdHandler):
         if not 1 <= n <= workers:
             raise ValueError(f"SoftsyncHandler: `n` must be in [1, {workers}] (the number of workers), got {n}.")
         self.group_size = math.ceil(workers / n)
+        self.blocking = self.group_size == workers
         self.pending: list[tuple[Request, Tensor]] = []
 
     @override
@@ -154,7 +159,8 @@ class SoftsyncHandler(AsgdHandler):
         if request.kind != PUSH:
             raise ValueError(f"SoftsyncHandler: unknown request kind {request.kind} from worker {request.worker}.")
         self.pending.append((request, request.payload[0].clone()))
-        return self.flush(ctx) if len(self.pending) >= self.group_size else {}
+        replies = self.flush(ctx) if len(self.pending) >= self.group_size else {}
+        return replies if self.blocking else {request.worker: _weights_reply(self.model)}
 
     @override
     def flush(self, ctx: ServerContext) -> dict[int, tuple[Tensor, ...]]:
@@ -170,11 +176,13 @@ class SoftsyncHandler(AsgdHandler):
         self.model.step(grad, 1.0 / mean_s if self.staleness_lr and mean_s > 1 else 1.0)
         ctx.applied(requests)
         self.pending = []
+        if not self.blocking:
+            return {}  # every worker of the group had its reply already
         reply = _weights_reply(self.model)
         return {r.worker: reply for r in requests}
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        # pending gradients never outlive a checkpoint: the strategies save between steps, after every
-        # worker's push of the step was answered, i.e. after the flush that answered it
+        # no pending gradient outlives a checkpoint: the strategies drain the server (every worker
+        # sends DONE, which flushes the last group) before they save
         return {"model": self.model.state_dict(), "pending": len(self.pending)}

@@ -9,12 +9,16 @@ Transport, decided (see ``docs/algorithms.md``, "Asynchronous training"): ``torc
 point-to-point messages (:mod:`lightning_hier.comm.ps_wire`) on a *dedicated* process group that
 only the server and the remote workers' clients use, so the serving threads never share a group
 with the training thread's collectives. One receiving thread per remote worker waits for that
-worker's next request (a receive from a known source has a finite timeout naming the rank,
-which gloo's any-source receive could not give per worker) and posts it to one queue; the
-serving thread applies it and sends the replies. ``torch.distributed.rpc`` was the alternative:
-it brings its own agent, thread pool and timeouts outside the process group, cannot share the
-strategies' rendezvous and failure reporting, and its TensorPipe agent is another dependency to
-configure per cluster; plain point-to-point keeps one mechanism for every strategy here.
+worker's next request and posts it to one queue; the serving thread applies it and sends the
+replies. Each worker's messages, both ways, carry its rank as their tag (a gloo group is not safe
+for concurrent operations on one tag from several threads). The serving thread measures each
+worker's silence since its last reply and fails the run naming the worker that exceeds
+``timeout``; a receive does not time out on its own, because a gloo receive that times out closes
+its connection and fails the neighbouring workers' receives too, which would blame the wrong rank.
+``torch.distributed.rpc`` was the alternative: it brings its own agent, thread pool and timeouts
+outside the process group, cannot share the strategies' rendezvous and failure reporting, and its
+TensorPipe agent is another dependency to configure per cluster; plain point-to-point keeps one
+mechanism for every strategy here.
 
 The worker on the server's rank calls the server in-process (:class:`LocalClient`): no network
 round trip to itself. Remote workers use :class:`RemoteClient`. Both give a :class:`Worker` its
@@ -177,7 +181,7 @@ class ParameterServer:
                 self._answered[worker].clear()
                 # bounded by the group's own limit only: the serving thread names a silent worker
                 # itself (a gloo receive that times out closes the pair and fails its neighbours too)
-                scalars, tensors = recv_message(worker, self.group, None)
+                scalars, tensors = recv_message(worker, self.group, None, tag=worker)
                 kind, version, batch_size, seconds = scalars
                 req = Request(worker, int(kind), tuple(tensors), int(version), int(batch_size), seconds)
                 self._inbox.put(req)
@@ -208,7 +212,7 @@ class ParameterServer:
                 self._local[worker] = reply
                 self._local_cv.notify_all()
             return
-        send_message([reply.version], reply.tensors, worker, self.group, self.timeout)
+        send_message([reply.version], reply.tensors, worker, self.group, self.timeout, tag=worker)
         self._answered[worker].set()
 
     def _next(self) -> Request:
@@ -285,10 +289,11 @@ class RemoteClient:
 
     def request(self, request: Request) -> Reply | None:
         scalars = [request.kind, request.version, request.batch_size, request.iteration_s]
-        send_message(scalars, request.payload, self.server, self.group, self.timeout)
+        send_message(scalars, request.payload, self.server, self.group, self.timeout, tag=request.worker)
         if request.kind == DONE:
             return None
-        (version, *_), tensors = recv_message(self.server, self.group, self.timeout, device=self.device)
+        tag = request.worker
+        (version, *_), tensors = recv_message(self.server, self.group, self.timeout, tag=tag, device=self.device)
         return Reply(tuple(tensors), int(version))
 
 

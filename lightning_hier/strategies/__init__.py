@@ -7,10 +7,12 @@ from lightning_hier.strategies._checkpoint import CheckpointError
 from lightning_hier.strategies._finite import NonFiniteError
 from lightning_hier.strategies.averaging import AveragingStrategy, EasgdStrategy, LocalSGDStrategy, LsgdStrategy
 from lightning_hier.strategies.dbs import DBSStrategy
+from lightning_hier.strategies.dbs_async import AsyncDBSStrategy
 from lightning_hier.strategies.decoupled import DecoupledStrategy
 from lightning_hier.strategies.grawa import GrawaStrategy
 from lightning_hier.strategies.grid2d import Grid2DStrategy
 from lightning_hier.strategies.hpsgd import HPSGDStrategy
+from lightning_hier.strategies.param_server import AsgdStrategy, ParameterServerWorker, SoftsyncStrategy
 from lightning_hier.strategies.peers import DDPCommHookStrategy
 
 STRATEGIES: tuple[type[HierStrategy], ...] = (
@@ -22,6 +24,9 @@ STRATEGIES: tuple[type[HierStrategy], ...] = (
     DBSStrategy,
     DecoupledStrategy,
     Grid2DStrategy,
+    AsgdStrategy,
+    SoftsyncStrategy,
+    AsyncDBSStrategy,
 )
 
 
@@ -38,6 +43,7 @@ def register_all() -> None:
 
 __all__ = [
     "STRATEGIES",
+    "AsgdStrategy",
     "AveragingStrategy",
     "CheckpointError",
     "DBSStrategy",
@@ -51,5 +57,7 @@ __all__ = [
     "LocalSGDStrategy",
     "LsgdStrategy",
     "NonFiniteError",
+    "ParameterServerWorker",
+    "SoftsyncStrategy",
     "register_all",
 ]

@@ -106,6 +106,9 @@ def names_rank(output: str, rank: int) -> bool:
         rf"rank {rank} \(PID \d+\), which launched it, is gone",
         # Lightning's popen observer, which SIGKILLs the main process when a child rank died
         rf"\[rank: {rank}\] Child process with PID \d+ terminated",
+        # the watchdog of a rank that was in no collective when the peer failed (asgd: rank 0 trains
+        # beside its server thread), naming the ranks that reported
+        rf"because rank\(s\) \[{rank}\] failed",
     )
     return any(re.search(p, output) for p in patterns)
 

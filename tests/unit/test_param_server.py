@@ -58,17 +58,26 @@ def test_softsync_n1_is_synchronous_sgd_on_the_concatenated_batches():
     assert core.stats.histogram == {0: 3} and core.stats.updates == 1
 
 
-def test_softsync_groups_of_ceil_w_over_n_and_flush_when_everyone_waits():
-    core = ServerCore(SoftsyncHandler(FlatModel([torch.zeros(1)], lr=1.0), workers=3, n=2), [0, 1, 2])
+def test_softsync_groups_of_ceil_w_over_n_reply_at_once_and_the_last_group_is_flushed_at_the_end():
+    core = ServerCore(SoftsyncHandler(FlatModel([torch.zeros(1)], lr=1.0), workers=3, n=2), [0, 1, 2], trace=True)
+    first = core.serve(_push(0, [1.0], 0))
+    assert first[0].tensors[0].item() == 0.0 and first[0].version == 0  # at once, not applied yet
+    second = core.serve(_push(1, [3.0], 0))  # a group of ceil(3 / 2) = 2: the mean is applied
+    assert second[1].tensors[0].item() == pytest.approx(-2.0) and second[1].version == 1
+    assert core.serve(_push(2, [5.0], 0))[2].version == 1  # alone in its group: pending
+    for w in (0, 1, 2):
+        assert core.serve(Request(w, DONE)) == {}
+    assert core.finished and core.version == 2 and core.stats.applied == 3
+    assert core.handler.model.flat.item() == pytest.approx(-2.0 - 5.0)  # type: ignore[attr-defined]
+    assert core.trace == [(0, 0), (1, 0), (2, 1)]
+
+
+def test_blocking_softsync_flushes_when_every_worker_still_training_waits():
+    core = ServerCore(SoftsyncHandler(FlatModel([torch.zeros(1)], lr=1.0), workers=3, n=1), [0, 1, 2])
     assert core.serve(_push(0, [1.0], 0)) == {}
-    assert sorted(core.serve(_push(1, [3.0], 0))) == [0, 1]  # group of ceil(3 / 2) = 2
-    assert core.version == 1
-    assert core.serve(_push(2, [5.0], 0)) == {}  # alone in its group: waits
-    assert core.serve(Request(0, DONE)) == {}
-    replies = core.serve(Request(1, DONE))  # every worker still training (2) waits: flushed
-    assert list(replies) == [2] and replies[2].tensors[0].item() == pytest.approx(-2.0 - 5.0)
-    assert core.serve(Request(2, DONE)) == {} and core.finished
-    assert core.stats.applied == 3 and {w: s.applied for w, s in core.stats.workers.items()} == {0: 1, 1: 1, 2: 1}
+    assert core.serve(_push(1, [3.0], 0)) == {}
+    replies = core.serve(Request(2, DONE))  # worker 2 ends: 0 and 1 are all that train, and both wait
+    assert sorted(replies) == [0, 1] and replies[0].tensors[0].item() == pytest.approx(-2.0)
 
 
 def test_every_push_is_applied_exactly_once_and_counted():

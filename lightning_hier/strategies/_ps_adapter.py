@@ -1,0 +1,218 @@
+"""One rank's side of a parameter-server run under Lightning, shared by ``asgd``, ``softsync`` and async ``dbs``.
+
+:class:`PSAdapter` connects a Lightning module and its optimizer to the service of
+:mod:`lightning_hier.algorithms.ps_service`:
+
+- **Step.** The strategy's optimizer step runs Lightning's closure (forward, backward, clipping:
+  everything Lightning does before ``optimizer.step``) through a stand-in for the optimizer's
+  ``step``; instead of updating locally, the rank pushes its flat gradient (times a weight) and
+  loads the weights of the reply. The server's optimizer is a copy of the user's (same class,
+  same parameter groups and hyperparameters); each step on rank 0 copies rank 0's current
+  learning rates into it, so a learning-rate schedule applies on the server.
+- **Lifecycle.** The server (a thread of rank 0) starts with the first training batch; at every
+  point where the ranks meet in a collective (validation, checkpoints, the end of fit) every
+  worker first sends ``DONE`` and rank 0 waits for the server to drain, so every pushed gradient
+  is applied exactly once and no rank waits on a reply that needs a rank already in the
+  collective. The next training batch starts it again.
+- **Consensus.** The server's parameters (and rank 0's buffers, e.g. BatchNorm statistics) are
+  broadcast into every rank's module for validation and saving, and left there after fit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from lightning_hier.algorithms.param_server import PUSH, Handler, ServerCore
+from lightning_hier.algorithms.ps_rules import FlatModel
+from lightning_hier.algorithms.ps_service import ParameterServer, Worker, connect
+from lightning_hier.comm import CommStats, broadcast_
+
+HandlerFactory = Callable[[FlatModel, int], Handler]
+"""Builds the update rule from the server's model and the number of workers."""
+
+SERVER_RANK = 0
+
+
+def copy_optimizer(optimizer: Optimizer, module: nn.Module) -> Callable[[list[nn.Parameter]], Optimizer]:
+    """A factory of the user's optimizer over other tensors laid out like ``module.parameters()``."""
+    index = {id(p): i for i, p in enumerate(module.parameters())}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) not in index:
+                raise ValueError("parameter server: the optimizer holds a tensor that is not a module parameter.")
+
+    def build(params: list[nn.Parameter]) -> Optimizer:
+        groups = [
+            {**{k: v for k, v in g.items() if k != "params"}, "params": [params[index[id(p)]] for p in g["params"]]}
+            for g in optimizer.param_groups
+        ]
+        return type(optimizer)(groups, **optimizer.defaults)
+
+    return build
+
+
+class PSAdapter:
+    """The parameter-server side of one rank (see the module docstring).
+
+    Args:
+        module: The LightningModule (its parameters are the model).
+        optimizer: The user's optimizer (its class and hyperparameters are copied to the server).
+        handler: Builds the update rule on rank 0.
+        group: The dedicated service group.
+        rank: This global rank.
+        world: Number of ranks (every rank is a worker).
+        timeout: See :class:`~lightning_hier.algorithms.ps_service.ParameterServer`.
+        stats: Communication accounting: bytes pushed, and the wait for each reply counted as
+            blocked time (so DBS's speed measurement leaves it out).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        optimizer: Optimizer,
+        handler: HandlerFactory,
+        group: dist.ProcessGroup,
+        rank: int,
+        world: int,
+        timeout: timedelta,
+        stats: CommStats | None = None,
+    ) -> None:
+        self.module, self.optimizer = module, optimizer
+        self.comm_stats = stats if stats is not None else CommStats()
+        self.params = list(module.parameters())
+        self.rank, self.world, self.group, self.timeout = rank, world, group, timeout
+        self.server: ParameterServer | None = None
+        self.worker: Worker | None = None
+        self._handler = handler
+        self._core: ServerCore | None = None
+        self._restored: dict[str, Any] | None = None
+        self._model: FlatModel | None = None
+        self.running = False
+        """Whether the server is serving this rank (between :meth:`start` and :meth:`drain`)."""
+
+    def _build_core(self) -> ServerCore:
+        if self._core is None:
+            self._model = FlatModel(self.params, copy_optimizer(self.optimizer, self.module))
+            self._core = ServerCore(self._handler(self._model, self.world), list(range(self.world)))
+            if self._restored is not None:
+                self._core.load_state_dict(self._restored)
+                self._restored = None
+        return self._core
+
+    def start(self) -> None:
+        """Start serving (rank 0) and pull the server's model (every rank); a no-op while running."""
+        if self.running:
+            return
+        if self.worker is None:
+            self.server, self.worker = connect(self._build_core, self.group, self.rank, SERVER_RANK, self.timeout)
+        elif self.server is not None:
+            self.server.start()
+        self.running = True
+        self._load(self.worker.pull()[0])
+
+    def _load(self, flat: Tensor) -> None:
+        flat = flat.to(self.params[0].device)
+        offset = 0
+        with torch.no_grad():
+            for p in self.params:  # in place: the parameters keep their storage (views, optimizer state)
+                p.copy_(flat[offset : offset + p.numel()].view_as(p))
+                offset += p.numel()
+
+    def push(self, weight: float, batch_size: int) -> None:
+        """Push this rank's gradient times ``weight`` and load the reply's weights."""
+        assert self.worker is not None and self.running, "start() first"
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        flat = torch.cat([g.detach().reshape(-1) for g in grads])
+        if weight != 1.0:
+            flat.mul_(weight)
+        if self.server is not None:
+            self._follow_learning_rate()
+        self.comm_stats.add(flat.numel() * flat.element_size())
+        with self.comm_stats.blocked():
+            reply = self.worker.call(PUSH, [flat.cpu()], batch_size=batch_size)[0]
+        self._load(reply)
+
+    def step_through_server(self, optimizer: Optimizer, run_step: Callable[[], Any], push: Callable[[], None]) -> Any:
+        """Run Lightning's optimizer step ``run_step`` with ``optimizer.step`` replaced by closure + ``push``.
+
+        Lightning's closure (forward, backward, clipping: all it does before ``optimizer.step``)
+        runs as usual; the server, not this rank, updates the model.
+        """
+
+        def push_instead_of_step(closure: Callable[[], Any] | None = None, **_: Any) -> Any:
+            assert closure is not None
+            loss = closure()
+            push()
+            return loss
+
+        optimizer.step = push_instead_of_step  # type: ignore[method-assign]
+        try:
+            return run_step()
+        finally:
+            del optimizer.step  # the class's step again
+
+    def _follow_learning_rate(self) -> None:
+        assert self.server is not None and self._model is not None
+        with self.server.lock:
+            for mine, theirs in zip(self.optimizer.param_groups, self._model.optimizer.param_groups, strict=True):
+                theirs["lr"] = mine["lr"]
+
+    def drain(self) -> None:
+        """Every worker says ``DONE``; rank 0 waits until the server applied everything (while running)."""
+        if not self.running:
+            return
+        assert self.worker is not None
+        self.worker.done()
+        self.running = False
+        if self.server is not None:
+            self.server.join(2 * self.timeout.total_seconds() + 5)
+
+    @contextmanager
+    def consensus(self) -> Iterator[None]:
+        """Drain, then hold the server's model in every rank's module (a collective); restore after."""
+        saved = [t.detach().clone() for t in self._tensors()]
+        self.drain()
+        self.load_consensus()
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for t, s in zip(self._tensors(), saved, strict=True):
+                    t.copy_(s)
+
+    def load_consensus(self) -> None:
+        """Broadcast the server's parameters and rank 0's buffers into every rank's module (drained)."""
+        if self.server is not None:
+            self._load(self.server.consensus()[0])
+        with torch.no_grad():
+            broadcast_([t.data for t in self._tensors()], src=SERVER_RANK, group=dist.group.WORLD)
+
+    def _tensors(self) -> list[Tensor]:
+        return self.params + list(self.module.buffers())
+
+    def stats(self) -> dict[str, float]:
+        """The server's staleness and per-worker metrics (rank 0; empty elsewhere)."""
+        if self.server is None:
+            return {}
+        with self.server.lock:
+            return self.server.core.stats.summary()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The server's state on rank 0 (drained first: call at a collective point); empty elsewhere."""
+        if self.rank != SERVER_RANK:
+            return {}
+        if self.server is not None:
+            return self.server.state_dict()
+        return self._build_core().state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.rank == SERVER_RANK and state:
+            self._restored = state  # applied when the server is built, at the first training batch

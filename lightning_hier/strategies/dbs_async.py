@@ -1,0 +1,82 @@
+"""Lightning adapter of DBS-SGD in its asynchronous form (``dbs_async``; Ji et al. 2019).
+
+The 2019 paper's own setting: workers of different speeds push gradients to a parameter server
+(ASGD), and DBS gives each worker a batch in proportion to its measured speed, so every worker's
+iteration takes about the same time and the staleness of the gradients the server applies stays
+low. :class:`AsyncDBSStrategy` is :class:`~lightning_hier.strategies.dbs.DBSStrategy`'s
+allocation (measured speed, batch shares, the DBS sampler, rebalancing) driving the workers of
+:class:`~lightning_hier.strategies.param_server.AsgdStrategy`'s server instead of an all-reduce.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from typing_extensions import override
+
+from lightning_hier.algorithms.ps_rules import AsgdHandler
+from lightning_hier.strategies._ps_adapter import HandlerFactory
+from lightning_hier.strategies.dbs import DBSStrategy
+from lightning_hier.strategies.param_server import ParameterServerWorker
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from torch.optim import Optimizer
+
+
+class AsyncDBSStrategy(ParameterServerWorker, DBSStrategy):
+    """DBS-SGD, asynchronous: speed-proportional batch shares, gradients pushed to an ASGD server on rank 0.
+
+    Each rank's gradient (the mean over its ``b_w`` samples) is pushed with the weight
+    ``W * b_w / B``: with equal shares every push counts as in ASGD, and a rank with twice the
+    share moves the model twice as far, as its gradient stands for twice the samples. The split is
+    rebalanced every ``rebalance_every`` steps from the measured speeds (an all-gather of ``W``
+    floats: the one point where the workers meet besides validation and checkpoints); the wait for
+    the server's reply is not counted as compute time. Everything about the server (consensus,
+    checkpoints, logging, resume not bit-identical) is as for ``asgd``; every argument is
+    :class:`~lightning_hier.strategies.dbs.DBSStrategy`'s (``sync_buffers`` and ``bucket_size_mb``
+    have no effect: nothing is all-reduced, and BatchNorm statistics are rank 0's).
+
+    Example:
+        >>> import lightning.pytorch as pl
+        >>> import lightning_hier  # registers the names
+        >>> trainer = pl.Trainer(strategy="dbs_async_fork", accelerator="cpu", devices=3)  # doctest: +SKIP
+    """
+
+    strategy_name = "dbs_async"
+
+    @override
+    def _handler(self) -> HandlerFactory:
+        return lambda model, _: AsgdHandler(model)
+
+    @override
+    def _push_weight(self) -> float:
+        assert self.algorithm is not None
+        return self.world_size * self.algorithm.step_share
+
+    @override
+    def _setup_algorithm(self, trainer: pl.Trainer) -> None:
+        DBSStrategy._setup_algorithm(self, trainer)  # the allocation and its callback
+        ParameterServerWorker._setup_algorithm(self, trainer)  # the server and this rank's worker
+
+    @override
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        algorithm = self.algorithm
+        assert algorithm is not None
+        # past DBSStrategy's step, which would all-reduce the gradients: the server applies them
+        output = self._step_through_server(
+            optimizer, lambda: super(DBSStrategy, self).optimizer_step(optimizer, closure, model, **kwargs)
+        )
+        algorithm.end_step()
+        return output
+
+    @override
+    def _algorithm_state(self) -> dict[str, Any]:
+        return {"dbs": DBSStrategy._algorithm_state(self), "server": ParameterServerWorker._algorithm_state(self)}
+
+    @override
+    def _load_algorithm_state(self, state: dict[str, Any]) -> None:
+        if state:
+            DBSStrategy._load_algorithm_state(self, state["dbs"])
+            ParameterServerWorker._load_algorithm_state(self, state["server"])

@@ -1,0 +1,197 @@
+"""Lightning adapters of the asynchronous parameter server: ``asgd`` and ``softsync``.
+
+- :class:`AsgdStrategy` (``asgd``): asynchronous SGD (Dean et al., NeurIPS 2012): every rank
+  pushes its gradient to the server (a thread of rank 0), which applies it at once and answers
+  with the new weights; optional staleness-aware learning rate ``lr / staleness`` (Zhang, Gupta,
+  Lian, Liu, IJCAI 2016).
+- :class:`SoftsyncStrategy` (``softsync``): n-softsync (same paper): the server applies the
+  average of every ``ceil(W / n)`` gradients; ``n = 1`` is synchronous SGD, ``n = W`` is ASGD.
+
+Each name also exists as ``name_spawn`` and ``name_fork``. The mechanism is in
+:mod:`lightning_hier.algorithms.param_server` and :mod:`~lightning_hier.algorithms.ps_service`;
+:class:`~lightning_hier.strategies._ps_adapter.PSAdapter` connects it to Lightning once for these
+strategies and for ``DBSStrategy(mode='async')``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import contextmanager, suppress
+from typing import TYPE_CHECKING, Any
+
+from lightning.pytorch.utilities.data import extract_batch_size
+from typing_extensions import override
+
+from lightning_hier import _validate as v
+from lightning_hier.algorithms.ps_rules import AsgdHandler, SoftsyncHandler
+from lightning_hier.strategies._base import HierStrategy
+from lightning_hier.strategies._ps_adapter import HandlerFactory, PSAdapter
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+    import lightning.pytorch as pl
+    from torch import nn
+    from torch.optim import Optimizer
+
+
+class ParameterServerWorker(HierStrategy):
+    """What a strategy needs to train through the parameter server (not registered itself).
+
+    Subclasses implement :meth:`_handler`; :meth:`_push_weight` scales the pushed gradient (1).
+    The server is rank 0's thread; every rank, rank 0 included, is a worker.
+    """
+
+    ps: PSAdapter | None = None
+    _service_group: Any = None
+    _batch_samples = 0
+
+    def _handler(self) -> HandlerFactory:
+        """The server's update rule."""
+        raise NotImplementedError
+
+    def _push_weight(self) -> float:
+        """Factor of this rank's gradient before it is pushed."""
+        return 1.0
+
+    @override
+    def _setup_algorithm(self, trainer: pl.Trainer) -> None:
+        optimizer = self._require_single_optimizer()
+        if self._service_group is None:  # a collective: every rank sets up together, once
+            self._service_group = self.topology.build_service_group(self._timeout)
+        module: nn.Module = self.lightning_module  # type: ignore[assignment]
+        self.ps = PSAdapter(
+            module,
+            optimizer,
+            self._handler(),
+            self._service_group,
+            self.global_rank,
+            self.world_size,
+            self._timeout,
+            self.comm_stats,
+        )
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        if self.ps is not None:
+            self.ps.start()  # (again) after a validation, a checkpoint or the end of an earlier fit
+        # a batch of no tensor: the server sees batch size 0 (softsync then weighs uniformly)
+        with suppress(Exception):
+            self._batch_samples += extract_batch_size(batch)
+
+    @override
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        return self._step_through_server(
+            optimizer, lambda: super(ParameterServerWorker, self).optimizer_step(optimizer, closure, model, **kwargs)
+        )
+
+    def _step_through_server(self, optimizer: Optimizer, run_step: Callable[[], Any]) -> Any:
+        ps = self.ps
+        assert ps is not None
+        try:
+            output = ps.step_through_server(
+                optimizer, run_step, lambda: ps.push(self._push_weight(), self._batch_samples)
+            )
+        finally:
+            self._batch_samples = 0
+        self._log(ps.stats())
+        return output
+
+    @override
+    def _finalize_algorithm(self) -> None:
+        if self.ps is not None:
+            self.ps.drain()
+            self.ps.load_consensus()
+
+    @contextmanager
+    @override
+    def _consensus(self) -> Iterator[None]:
+        if self.ps is None:
+            yield
+        else:
+            with self.ps.consensus():
+                yield
+
+    @override
+    def _algorithm_state(self) -> dict[str, Any]:
+        if self.ps is None:
+            return {}
+        self.ps.drain()  # saving is a collective: every worker reaches it
+        return self.ps.state_dict()
+
+    @override
+    def _load_algorithm_state(self, state: dict[str, Any]) -> None:
+        if self.ps is not None:
+            self.ps.load_state_dict(state)
+
+
+class AsgdStrategy(ParameterServerWorker):
+    """ASGD: each rank pushes its gradient to a server on rank 0, which applies it at once.
+
+    Rank 0 trains too; its worker calls the server in-process. The server's optimizer is a copy of
+    the user's (same class and hyperparameters; rank 0's learning-rate schedule is followed), so
+    momentum and Adam moments live on the server. Validation during fit, checkpoints'
+    ``state_dict`` and every rank's module after fit hold the server's model. Staleness (server
+    updates between a worker's pull and its push) is logged as ``ps/staleness_mean`` and
+    ``ps/staleness_max``, with each worker's iteration time and batch size (rank 0's logger).
+    Resuming restores the server's model, optimizer and counters, but is not bit-identical: the
+    order in which gradients arrive depends on timing.
+
+    Args:
+        staleness_lr: Divide the learning rate of a gradient of staleness ``s > 1`` by ``s``.
+        **kwargs: See :class:`~lightning_hier.strategies._base.HierStrategy` (``timeout``: also the
+            longest a worker may stay silent between two requests).
+
+    Example:
+        >>> import lightning.pytorch as pl
+        >>> import lightning_hier  # registers the names
+        >>> trainer = pl.Trainer(strategy="asgd_fork", accelerator="cpu", devices=3)  # doctest: +SKIP
+    """
+
+    strategy_name = "asgd"
+
+    def __init__(self, staleness_lr: bool = False, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.staleness_lr = v.check_bool(type(self).__name__, "staleness_lr", staleness_lr)
+
+    @override
+    def _handler(self) -> HandlerFactory:
+        return lambda model, _: AsgdHandler(model, self.staleness_lr)
+
+
+class SoftsyncStrategy(ParameterServerWorker):
+    """n-softsync: the server on rank 0 applies the average of every ``ceil(W / n)`` pushed gradients.
+
+    A worker's reply waits for the update its gradient joins, so ``n = 1`` is synchronous SGD on
+    the concatenated batches of all ranks and ``n = W`` is ASGD. The average weighs each gradient
+    by its batch size. Everything else as :class:`AsgdStrategy`.
+
+    Args:
+        n: Softsync parameter, an integer >= 1; at most the number of ranks ``W`` (checked when
+            fit starts, before any rank does).
+        staleness_lr: Divide an update's learning rate by its gradients' mean staleness when > 1.
+        **kwargs: See :class:`~lightning_hier.strategies._base.HierStrategy`.
+    """
+
+    strategy_name = "softsync"
+
+    def __init__(self, n: int = 1, staleness_lr: bool = False, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        owner = type(self).__name__
+        self.n = v.check_int(owner, "n", n, minimum=1)
+        self.staleness_lr = v.check_bool(owner, "staleness_lr", staleness_lr)
+
+    @override
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        world = self.topology.world_size  # in the main process, before any rank starts
+        if self.n > world:
+            raise ValueError(
+                f"{type(self).__name__}: argument `n` must be an integer in [1, {world}] (the number of ranks), "
+                f"got {self.n}."
+            )
+
+    @override
+    def _handler(self) -> HandlerFactory:
+        return lambda model, workers: SoftsyncHandler(model, workers, self.n, self.staleness_lr)
