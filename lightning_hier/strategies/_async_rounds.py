@@ -2,9 +2,11 @@
 
 Every rank builds the dedicated service group (a collective, once, at set-up), rank 0 starts
 the serving thread (and trains too), every rank gets its :class:`~lightning_hier.algorithms.ps_service.Worker`.
-The server lives from set-up to the end of fit: finalizing may happen more than once before the
-real end (training may go on after it), so the ranks tell the server they are done only in
-``on_train_end``.
+The server serves while the ranks train: at every point where they meet in a collective
+(validation, checkpoints, the end of fit), right after reading the consensus, every rank tells the
+server it is done (:meth:`AsyncRounds.pause`) and rank 0 waits until it stopped, so a long
+validation never counts as a silent worker; the next training batch starts it again
+(:meth:`AsyncRounds.resume`), as the parameter-server strategies do (``strategies/_ps_adapter.py``).
 """
 
 from __future__ import annotations
@@ -58,12 +60,22 @@ class AsyncRounds:
             with self.server.lock:
                 self.server.core.load_state_dict(state)
 
-    def stop(self) -> dict[str, float]:
-        """Tell the server this rank is done; on rank 0 wait for every rank. Returns the staleness metrics (rank 0)."""
+    def pause(self) -> None:
+        """Tell the server this rank is done for now; rank 0 waits for every rank (a no-op when paused)."""
+        if self.stopped:
+            return
         self.worker.done()
         self.stopped = True
-        if self.server is None:
-            return {}
-        # every other rank sends DONE right after its own end of fit: allow them the silence limit
-        self.server.join(2 * self.timeout.total_seconds())
-        return self.server.core.stats.summary()
+        if self.server is not None:
+            # the other ranks send DONE right after the same consensus: allow them the silence limit
+            self.server.join(2 * self.timeout.total_seconds() + 5)
+
+    def resume(self) -> None:
+        """Serve again (rank 0) after :meth:`pause`; a no-op while serving."""
+        if self.stopped and self.server is not None:
+            self.server.start()
+        self.stopped = False
+
+    def metrics(self) -> dict[str, float]:
+        """Staleness of the reports, reports applied, per-rank iteration time (rank 0; empty elsewhere)."""
+        return self.server.core.stats.summary() if self.server is not None else {}

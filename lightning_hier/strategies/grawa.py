@@ -161,11 +161,34 @@ class GrawaStrategy(AveragingStrategy):
             policy.connect(self._async.worker.call, self.barrier)
 
     @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        if self._async is not None:
+            self._async.resume()  # paused at the last consensus (validation, checkpoint)
+
+    @contextmanager
+    @override
+    def _consensus(self) -> Iterator[None]:
+        if self._async is not None:
+            self._async.resume()  # a second consensus at the same point (validation, then a checkpoint) asks again
+        with super()._consensus():
+            if self._async is not None:
+                self._async.pause()  # every rank has read the server's center: no rank reports until training goes on
+            yield
+
+    @override
+    def _finalize_algorithm(self) -> None:
+        super()._finalize_algorithm()  # the final reports and the server's center
+        if self._async is not None:
+            self._async.pause()
+            self.last_metrics.update(self._async.metrics())
+
+    @override
     def on_train_end(self) -> None:
         super().on_train_end()  # the final round (finish_training) comes first
-        if self._async is not None and not self._async.stopped:
+        if self._async is not None:
             # kept after it stops: a checkpoint saved after fit still holds the server's table
-            self.last_metrics.update(self._async.stop())
+            self._async.pause()
 
     @override
     def _algorithm_state(self) -> dict[str, Any]:
