@@ -190,7 +190,7 @@ class PeriodicAveraging:
         """Run one round now (a collective on every rank of the group)."""
         x = self.flat.buckets
         c = self.flat.clone()
-        fields = self.policy.combine(c, self._context(fresh=True, norms=norms))
+        fields = self.policy.combine(c, self._context(fresh=True, norms=norms, lam=self.lam))
         distance = self._consensus_distance(x, c)
         target = self.center if self.policy.elastic and self.center is not None else c
         pull_(x, target, self.lam)
@@ -200,9 +200,10 @@ class PeriodicAveraging:
             self.center = c
         else:
             self.center = None
-        if self.flat_buffers is not None:
+        lock_step = self.policy.lock_step
+        if self.flat_buffers is not None and lock_step:  # asynchronous rounds average buffers at the consensus
             all_reduce_mean_(self.flat_buffers.buckets, self.group, self.stats)
-        self._replicas_equal = self.lam == 1.0 and not self.policy.elastic  # every replica is now c
+        self._replicas_equal = lock_step and self.lam == 1.0 and not self.policy.elastic  # every replica is now c
         report = RoundReport(
             round=self.schedule.rounds,
             step=self.schedule.steps,
@@ -215,13 +216,15 @@ class PeriodicAveraging:
         self.schedule.synced()
         return report
 
-    def _context(self, fresh: bool, norms: Callable[[], Tensor] | None = None) -> RoundContext:
+    def _context(self, fresh: bool, norms: Callable[[], Tensor] | None = None, lam: float = 0.0) -> RoundContext:
         probe = norms if norms is not None else (lambda: grad_norms(self.flat.tensors))
-        return RoundContext(self.group, self.world, self.rank, self.stats, self.flat, fresh, probe)
+        return RoundContext(self.group, self.world, self.rank, self.stats, self.flat, fresh, probe, lam)
 
     def _consensus_distance(self, x: list[Tensor], c: list[Tensor]) -> float:
         norms = torch._foreach_norm(torch._foreach_sub(x, c))
         total = torch.stack(norms).double().pow(2).sum().reshape(1)
+        if not self.policy.lock_step:  # an asynchronous round is this rank's alone: its own distance
+            return float(total.sqrt())
         all_reduce_sum_([total], self.group, self.stats)
         return float(total.div(self.world).sqrt())
 
@@ -229,6 +232,12 @@ class PeriodicAveraging:
     @torch.no_grad()
     def _consensus_params(self) -> list[Tensor] | None:
         """The consensus model's buckets, or None when this replica already is it (a collective)."""
+        if not self.policy.lock_step:  # the server's center: the other replicas moved since this rank's round
+            if self.schedule.since_sync == 0 and self._replicas_equal:
+                return None  # at the start or after the end of fit, every replica is the consensus
+            c = self.flat.clone()
+            self.policy.combine(c, self._context(fresh=False))
+            return c
         if self.policy.elastic:
             return self.center
         if self.schedule.since_sync == 0:
@@ -246,7 +255,9 @@ class PeriodicAveraging:
 
     @torch.no_grad()
     def _consensus_buffers(self) -> list[Tensor] | None:
-        if self.flat_buffers is None or self.schedule.since_sync == 0 or self.group is None:
+        # buffers were averaged by the last round (lock-step) or the last consensus (finalize)
+        synced = self.schedule.since_sync == 0 and (self.policy.lock_step or self._replicas_equal)
+        if self.flat_buffers is None or synced or self.group is None:
             return None
         mean = self.flat_buffers.clone()
         all_reduce_mean_(mean, self.group, self.stats)
@@ -305,7 +316,12 @@ class PeriodicAveraging:
         if self.schedule.since_sync == 0 and self._replicas_equal:
             return  # nothing trained since the replicas were last made equal
         partial = self.schedule.since_sync > 0
-        if self.group is None:
+        if not self.policy.lock_step:
+            if partial:  # the final report: the server records the trained replica as it is (no pull)
+                self.policy.combine(self.flat.clone(), self._context(fresh=True, norms=norms))
+            c = self.flat.clone()
+            self.policy.combine(c, self._context(fresh=False))
+        elif self.group is None:
             c = None  # a single worker is its own consensus
         elif self.policy.elastic:
             c = self.flat.clone()
@@ -317,7 +333,7 @@ class PeriodicAveraging:
             c = self.center  # right after a round with lam < 1: the replicas combine to the stored c
         if c is not None:
             self.flat.copy_(c)
-        if partial and self.flat_buffers is not None:
+        if (partial or not self.policy.lock_step) and self.flat_buffers is not None:
             all_reduce_mean_(self.flat_buffers.buckets, self.group, self.stats)
         if self.policy.keeps_center or self.rho > 0:
             self.center = self.flat.clone()

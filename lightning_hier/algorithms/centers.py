@@ -107,6 +107,8 @@ class RoundContext:
     """True in a training round (measure, update state); False for the consensus model (reuse)."""
     norms: Callable[[], Tensor]
     """Per-parameter-tensor gradient norms of this rank (called only by policies that need them)."""
+    lam: float = 0.0
+    """The pull this round applies to the replica (an asynchronous server records the pulled replica)."""
 
 
 class CenterPolicy:
@@ -121,6 +123,9 @@ class CenterPolicy:
     """Keep ``c`` between rounds (the proximal target and the consensus model right after a round)."""
     center_rate: float = 1.0
     """``mu`` in ``center <- center + mu (c - center)``."""
+    lock_step: ClassVar[bool] = True
+    """Every rank takes part in every round (collectives); False: a rank's round is its own exchange
+    with a parameter server, and only the consensus model (validation, saving, end of fit) is collective."""
 
     def default_lam(self, world: int) -> float:
         return 1.0

@@ -129,6 +129,30 @@ def normalise_weights(scores: Tensor) -> Tensor:
     return scores / scores.sum(dim=0, keepdim=True)
 
 
+Expansion = list[tuple[Tensor, Tensor]]
+"""Per bucket, the parameter-tensor index of each segment and the segment lengths (LGRAWA)."""
+
+
+def segment_expansions(flat: FlatTensors) -> Expansion:
+    """How per-tensor weights ``[L]`` spread over the elements of each of ``flat``'s buckets."""
+    out = []
+    for b, bucket in enumerate(flat.buckets):
+        index = torch.tensor(flat.segment_indices(b), device=bucket.device)
+        counts = torch.tensor(flat.segment_numels(b), device=bucket.device)
+        out.append((index, counts))
+    return out
+
+
+def weigh_(buckets: Sequence[Tensor], weights: Tensor, expand: Expansion) -> None:
+    """Multiply ``buckets`` in place by one replica's weights, ``[1]`` (MGRAWA) or ``[L]`` spread by ``expand``."""
+    for b, bucket in enumerate(buckets):
+        w = weights.to(bucket.device, bucket.dtype)
+        if expand:
+            index, counts = expand[b]
+            w = torch.repeat_interleave(w[index], counts, output_size=bucket.numel())
+        bucket.mul_(w)
+
+
 class GradientWeightedCenter(CenterPolicy):
     """GRAWA's center: the replicas weighted by inverse (EMA, bias-corrected) gradient norms.
 
@@ -170,21 +194,28 @@ class GradientWeightedCenter(CenterPolicy):
         if self.weights is None:
             self.weights = torch.full((world, width), 1.0 / world, dtype=torch.float64)
         if not self._expand and self.variant == "layer":
-            for b, bucket in enumerate(flat.buckets):
-                index = torch.tensor(flat.segment_indices(b), device=bucket.device)
-                counts = torch.tensor(flat.segment_numels(b), device=bucket.device)
-                self._expand.append((index, counts))
+            self._expand = segment_expansions(flat)
 
     def _model_norm(self, norms: Tensor) -> Tensor:
         return norms.sum().reshape(1) if self.norm == "sum" else norms.pow(2).sum().sqrt().reshape(1)
 
-    def _measure(self, ctx: RoundContext) -> dict[str, Any]:
+    def local_scores(self, ctx: RoundContext) -> tuple[Tensor, Tensor]:
+        """Probe this rank's norms, fold them into its EMA; its scores ``[L]`` and its model norm ``[1]``.
+
+        The per-rank half of a round, shared by the lock-step round (:meth:`combine`) and the
+        asynchronous one (:mod:`lightning_hier.algorithms.grawa_async`).
+        """
+        self._bind(ctx.flat, ctx.world)
         assert self.ema is not None
         norms = ctx.norms().to(torch.float64)
         model_norm = self._model_norm(norms)
         norm_hat = self.ema.update(norms if self.variant == "layer" else model_norm)
-        table = torch.zeros(ctx.world, norm_hat.numel() + 1, dtype=torch.float64, device=ctx.flat.buckets[0].device)
-        table[ctx.rank, :-1] = grawa_scores(norm_hat, self.eps, self.p)
+        return grawa_scores(norm_hat, self.eps, self.p), model_norm
+
+    def _measure(self, ctx: RoundContext) -> dict[str, Any]:
+        scores, model_norm = self.local_scores(ctx)
+        table = torch.zeros(ctx.world, scores.numel() + 1, dtype=torch.float64, device=ctx.flat.buckets[0].device)
+        table[ctx.rank, :-1] = scores
         table[ctx.rank, -1] = model_norm[0]
         all_reduce_sum_([table], ctx.group, ctx.stats)
         self.weights = normalise_weights(table[:, :-1]).cpu()
@@ -195,13 +226,7 @@ class GradientWeightedCenter(CenterPolicy):
         self._bind(ctx.flat, ctx.world)
         fields = self._measure(ctx) if ctx.fresh else {}
         assert self.weights is not None
-        mine = self.weights[ctx.rank]
-        for b, bucket in enumerate(out):
-            w = mine.to(bucket.device, bucket.dtype)
-            if self.variant == "layer":
-                index, counts = self._expand[b]
-                w = torch.repeat_interleave(w[index], counts, output_size=bucket.numel())
-            bucket.mul_(w)
+        weigh_(out, self.weights[ctx.rank], self._expand)
         all_reduce_sum_(out, ctx.group, ctx.stats)
         return fields
 

@@ -20,6 +20,8 @@ from typing_extensions import override
 from lightning_hier import _validate as v
 from lightning_hier.algorithms.centers import CenterPolicy
 from lightning_hier.algorithms.grawa import DEFAULT_BETA, NORMS, VARIANTS, GradientWeightedCenter, probe_grad_norms
+from lightning_hier.algorithms.grawa_async import AsyncGradientWeightedCenter
+from lightning_hier.strategies._async_rounds import AsyncRounds
 from lightning_hier.strategies._finite import loss_of
 from lightning_hier.strategies._probe import draw, first, fresh_batches_of, isolated_rng
 from lightning_hier.strategies._user_model import muted_logs
@@ -30,6 +32,7 @@ if TYPE_CHECKING:
     from lightning.fabric.strategies import _StrategyRegistry
 
 PROBES = ("fresh", "batch", "step")
+ROUNDS = ("sync", "async")
 
 
 class GrawaStrategy(AveragingStrategy):
@@ -75,6 +78,16 @@ class GrawaStrategy(AveragingStrategy):
             digits MLP, 4 epochs, tau 8: 0.969 / 0.971 / 0.972 and 0.968 / 0.971 / 0.972. With
             i.i.d. shards all three agree within 0.005 on both.
         probe_seed: Base seed of the fresh probe batches (``probe='fresh'``), >= 0.
+        rounds: ``'sync'`` (default): every rank takes part in every round (lock-step collectives).
+            ``'async'``: the authors' asynchronous rounds: after its own ``tau`` steps a rank sends
+            its replica and its score to a parameter server (a thread on rank 0, which also trains),
+            gets back the center of every rank's latest replica (weighted by the latest scores) and
+            pulls toward it, without waiting for the others; see
+            :mod:`lightning_hier.algorithms.grawa_async`. Ranks still meet at validation, checkpoints
+            and the end of fit (the consensus model is the server's center). A rank silent for
+            longer than ``timeout`` (no round) fails the run naming it: keep ``tau`` steps well
+            under ``timeout``. Resuming restores the server's table from rank 0's state, but an
+            asynchronous run is not bit-identical on resume (the arrival order is the machine's).
         sync_buffers: Average floating-point buffers (BatchNorm statistics) uniformly at every round.
         bucket_size_mb: Size bound of the flat buffers reduced in one call (MiB, >= 0.001).
         **kwargs: See :class:`~lightning_hier.strategies._base.HierStrategy`.
@@ -84,9 +97,7 @@ class GrawaStrategy(AveragingStrategy):
     (or a fit shorter than ``tau``) gets a final round: a new probe of the trained replicas, its
     weights, and every rank's model becomes their center. Not offered: evaluating the uniform
     average with BatchNorm statistics recomputed over the training set (the authors' code also
-    does this; it costs a pass over the data), and the paper's "asynchronous" step-budget rounds
-    (under Lightning every rank takes the same number of steps, so it coincides with the
-    synchronous form).
+    does this; it costs a pass over the data).
 
     Example:
         >>> import lightning.pytorch as pl
@@ -109,6 +120,7 @@ class GrawaStrategy(AveragingStrategy):
         norm: str = "sum",
         probe: str = "fresh",
         probe_seed: int = 0,
+        rounds: str = "sync",
         sync_buffers: bool = True,
         bucket_size_mb: float = 25.0,
         **kwargs: Any,
@@ -122,6 +134,8 @@ class GrawaStrategy(AveragingStrategy):
         self.norm = v.check_choice(owner, "norm", norm, NORMS)
         self.probe = v.check_choice(owner, "probe", probe, PROBES)
         self.probe_seed = v.check_int(owner, "probe_seed", probe_seed, minimum=0)
+        self.rounds = v.check_choice(owner, "rounds", rounds, ROUNDS)
+        self._async: AsyncRounds | None = None
         self._fresh: Any = None  # the FreshBatches of every training DataLoader (probe='fresh')
         self._configure(tau, lam, rho, sync_buffers, bucket_size_mb)
 
@@ -134,7 +148,60 @@ class GrawaStrategy(AveragingStrategy):
 
     @override
     def _policy(self) -> CenterPolicy:
-        return GradientWeightedCenter(self.variant, self.beta, self.eps, self.p, self.norm)
+        kind = AsyncGradientWeightedCenter if self.rounds == "async" else GradientWeightedCenter
+        return kind(self.variant, self.beta, self.eps, self.p, self.norm)
+
+    @override
+    def _setup_algorithm(self, trainer: pl.Trainer) -> None:
+        super()._setup_algorithm(trainer)
+        if self.rounds == "async" and self.algorithm is not None:
+            policy = self.algorithm.policy
+            assert isinstance(policy, AsyncGradientWeightedCenter)
+            self._async = AsyncRounds.start(self.topology, self.algorithm.flat, self.variant, self._timeout)
+            policy.connect(self._async.worker.call, self.barrier)
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        if self._async is not None:
+            self._async.resume()  # paused at the last consensus (validation, checkpoint)
+
+    @contextmanager
+    @override
+    def _consensus(self) -> Iterator[None]:
+        if self._async is not None:
+            self._async.resume()  # a second consensus at the same point (validation, then a checkpoint) asks again
+        with super()._consensus():
+            if self._async is not None:
+                self._async.pause()  # every rank has read the server's center: no rank reports until training goes on
+            yield
+
+    @override
+    def _finalize_algorithm(self) -> None:
+        super()._finalize_algorithm()  # the final reports and the server's center
+        if self._async is not None:
+            self._async.pause()
+            self.last_metrics.update(self._async.metrics())
+
+    @override
+    def on_train_end(self) -> None:
+        super().on_train_end()  # the final round (finish_training) comes first
+        if self._async is not None:
+            # kept after it stops: a checkpoint saved after fit still holds the server's table
+            self._async.pause()
+
+    @override
+    def _algorithm_state(self) -> dict[str, Any]:
+        state = super()._algorithm_state()
+        if self._async is not None and self._async.server is not None:
+            state["server"] = self._async.server.state_dict()  # rank 0 keeps every rank's latest replica
+        return state
+
+    @override
+    def _load_algorithm_state(self, state: dict[str, Any]) -> None:
+        super()._load_algorithm_state(state)
+        if self._async is not None and "server" in state:
+            self._async.load_server_state(state["server"])
 
     @override
     def on_train_start(self) -> None:

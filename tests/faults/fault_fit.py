@@ -2,7 +2,8 @@
 
 usage: python fault_fit.py STRATEGY START_METHOD FAULT RUN_DIR TIMEOUT_S
 
-``STRATEGY`` is a registry name without launcher suffix (``mgrawa``, ``ddp_post_local_sgd``, ...),
+``STRATEGY`` is a registry name without launcher suffix (``mgrawa``, ``ddp_post_local_sgd``, ...;
+``mgrawa@async`` adds ``rounds='async'``),
 ``START_METHOD`` is ``popen`` or ``fork``. Run as a script, so the popen launcher can re-run it
 for rank 1. Each rank writes its PID to ``RUN_DIR/pids/rank<r>``, the first process to
 ``RUN_DIR/pids/main``. Checkpoints go to ``RUN_DIR/ckpt`` every 2 steps (and ``last.ckpt``). When
@@ -112,10 +113,12 @@ class InjectFault(Callback):
 
 
 def main(strategy: str, start_method: str, fault: str, run_dir: Path, timeout: float) -> None:
-    entry = StrategyRegistry[f"{strategy}{SUFFIX[start_method]}"]
+    name, _, rounds = strategy.partition("@")  # `mgrawa@async`: the registered name with rounds='async'
+    entry = StrategyRegistry[f"{name}{SUFFIX[start_method]}"]
+    extra = {"rounds": rounds} if rounds else {}
     main_pid = int((run_dir / "pids" / "main").read_text())
     trainer = pl.Trainer(
-        strategy=entry["strategy"](**{**entry["init_params"], "timeout": timeout}),
+        strategy=entry["strategy"](**{**entry["init_params"], **extra, "timeout": timeout}),
         accelerator="cpu",
         devices=2,
         max_steps=MAX_STEPS,

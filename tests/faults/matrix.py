@@ -7,9 +7,10 @@ from typing import NamedTuple
 
 from tests.faults.fault_fit import FAULTS
 
-FAMILIES = ("mgrawa", "hpsgd", "dbs", "decoupled", "grid2d", "ddp_post_local_sgd", "asgd")
+FAMILIES = ("mgrawa", "mgrawa@async", "hpsgd", "dbs", "decoupled", "grid2d", "ddp_post_local_sgd", "asgd")
 """One strategy per family (mgrawa stands for the averaging family: localsgd, easgd, lsgd, grawa;
-asgd for the parameter-server family: softsync, dbs_async)."""
+``mgrawa@async`` for GRAWA's rounds over the parameter server; asgd for the parameter-server
+family: softsync, dbs_async)."""
 START_METHODS = ("fork", "popen")
 
 
@@ -34,5 +35,7 @@ SUBSET = [
     Cell("grid2d", "fork", "kill1"),
     Cell("ddp_post_local_sgd", "fork", "raise"),
     Cell("mgrawa", "fork", "kill_save"),
+    Cell("mgrawa@async", "fork", "hang"),
+    Cell("mgrawa@async", "fork", "kill0"),
     Cell("asgd", "fork", "hang"),
 ]

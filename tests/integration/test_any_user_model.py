@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import lightning_hier  # noqa: F401  (registers the strategy names)
+from lightning_hier import GrawaStrategy
 from tests.helpers import flat_params, trainer
 from tests.user_models import BoringModel, SameWeightsOnEveryRank, UserClassifier, UserModule
 
@@ -56,4 +57,18 @@ def test_strategy_trains_a_users_module_at_default_arguments(name, module):
     t = trainer(strategy=f"{name}_fork", max_epochs=2, limit_val_batches=0, callbacks=[SameWeightsOnEveryRank()])
     t.fit(model)
     after = flat_params(model)  # rank 0's finished model, returned by the fork launcher
+    assert after.shape == before.shape and torch.isfinite(after).all() and not torch.equal(after, before)
+
+
+@pytest.mark.parametrize("module", list(MODULES))
+@pytest.mark.parametrize("variant", ["model", "layer"])
+def test_async_grawa_trains_a_users_module_at_default_arguments(variant, module):
+    """``mgrawa`` / ``lgrawa`` with ``rounds='async'`` (an argument, not a name) on the same modules."""
+    torch.manual_seed(0)
+    model: pl.LightningModule = MODULES[module]()
+    before = flat_params(model)
+    strategy = GrawaStrategy(variant=variant, rounds="async", start_method="fork")
+    t = trainer(strategy=strategy, max_epochs=2, limit_val_batches=0, callbacks=[SameWeightsOnEveryRank()])
+    t.fit(model)
+    after = flat_params(model)
     assert after.shape == before.shape and torch.isfinite(after).all() and not torch.equal(after, before)
