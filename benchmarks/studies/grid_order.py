@@ -7,9 +7,9 @@ slowest rank's median counts. Next to it: the planner's predicted communication 
 alpha and beta measured on the live world group first (:func:`lightning_hier.planner.measure_link`).
 The prediction has no compute term, so the comparison is of orders, not of times.
 
-Needs root. Run it under the exclusive benchmark lock (it is a timing)::
+Needs root. It is a timing: run it on an otherwise idle machine::
 
-    flock -x /work/bench.lock python -m benchmarks.studies.grid_order --ranks 2 --rate 100mbit
+    python -m benchmarks.studies.grid_order --ranks 2 --rate 100mbit
 
 Namespaces are named ``lhb-<tag>-*`` (default tag ``grid``) and removed at the end.
 """
