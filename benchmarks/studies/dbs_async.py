@@ -17,7 +17,7 @@ Run from the repository root::
     python -m benchmarks.studies.dbs_async --workloads mnist cifar10 --factors 2 4
 
 MNIST: the t10k file split 8000 / 2000 (only the test set is offline here); CIFAR-10: a fixed
-5000-image training subset of ``cifar10-jpeg.tar.gz``, evaluated on the first 2000 test images.
+5000-image training subset of ``cifar10-jpeg.tar.gz``, evaluated on the 10,000 test images.
 """
 
 from __future__ import annotations
@@ -170,7 +170,7 @@ def _work(workloads: list[str], factors: list[float], seed: int, mnist_root: str
                 continue
             equal = min(f["wall_s"] for f in fits)
             dm.setup("validate")
-            val = [dm.on_after_batch_transfer(b, 0) for b in list(dm.val_dataloader())[: 2000 // w["batch"] + 1]]
+            val = [dm.on_after_batch_transfer(b, 0) for b in dm.val_dataloader()]
             for f in fits:
                 row = {"workload": wname, "factor": factor, "equal_wall_s": equal}
                 row |= {k: f[k] for k in ("strategy", "wall_s", "sizes", "speeds")}
