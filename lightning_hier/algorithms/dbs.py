@@ -64,7 +64,13 @@ from lightning_hier.algorithms.dbs_split import (  # re-exported: the split arit
 from lightning_hier.comm import CommStats, FlatTensors, all_reduce_sum_, group_size
 from lightning_hier.comm.collectives import Group
 
-TIMERS = ("wall", "cpu")
+TIMERS = ("wall", "cpu", "thread")
+# what each timer reads; the CPU clocks stand still while blocked, so only wall time has waits taken out
+_CLOCKS: dict[str, Callable[[], float]] = {
+    "wall": time.perf_counter,
+    "cpu": time.process_time,
+    "thread": time.thread_time,
+}
 
 __all__ = [
     "TIMERS",
@@ -107,7 +113,11 @@ class DynamicBatchSize:
             GPU the device is synchronised around the gradient all-reduce and at the end of the step,
             so compute and waiting are told apart). ``'cpu'``: CPU time of this process
             (``time.process_time``), which leaves out time spent waiting for a CPU, so load from other
-            processes on a shared machine is not taken for slowness; CPU training only.
+            processes on a shared machine is not taken for slowness; CPU training only. ``'thread'``:
+            CPU time of the calling thread only (``time.thread_time``), for a process that runs other
+            work in background threads (a parameter server's threads), which ``'cpu'`` would count as
+            this rank's compute; intra-op threads of torch are left out too, so use it with
+            ``torch.set_num_threads(1)`` or tensors too small to be split.
     """
 
     def __init__(
@@ -144,7 +154,7 @@ class DynamicBatchSize:
         extra = list(buffers)
         self.flat_buffers = FlatTensors(extra, bucket_bytes) if extra else None
         self.timer = timer
-        self.clock: Callable[[], float] = time.perf_counter if timer == "wall" else time.process_time
+        self.clock = _CLOCKS[timer]
         self.allocation: Allocation | None = None
         self.steps = 0
         self.rebalances = 0

@@ -96,7 +96,9 @@ class DBSStrategy(HierStrategy):
         timer: How compute time is measured: ``'wall'`` (elapsed time minus the time blocked in
             collectives: what a step really costs; the default) or ``'cpu'`` (the process's CPU time:
             on a shared CPU machine, other processes' load is then not taken for slowness; CPU
-            training only, e.g. with :class:`~lightning_hier.callbacks.Straggler` in ``'spin'`` mode).
+            training only, e.g. with :class:`~lightning_hier.callbacks.Straggler` in ``'spin'`` mode), or
+            ``'thread'`` (the CPU time of the training thread alone; torch's intra-op threads are not
+            counted, so set ``torch.set_num_threads(1)``).
         sync_buffers: Average floating-point buffers (BatchNorm statistics) with the same weights
             at every step, so every rank holds the same model.
         bucket_size_mb: Size bound of the flat gradient buffers reduced in one call (MiB, >= 0.001).
@@ -274,11 +276,15 @@ class DBSStrategy(HierStrategy):
             max_batch_size=self.max_batch_size,
             warmup_steps=self.warmup_steps,
             initial_sizes=self.initial_sizes,
-            timer=self.timer,
+            timer=self._clock(),
             **bucket_arguments(module, self.sync_buffers, self.bucket_size_mb),
             stats=self.comm_stats,
         )
         return self.algorithm
+
+    def _clock(self) -> str:
+        """The timer the algorithm reads (the ``timer`` argument here)."""
+        return self.timer
 
     @override
     def process_dataloader(self, dataloader: object) -> object:

@@ -33,7 +33,11 @@ class AsyncDBSStrategy(ParameterServerWorker, DBSStrategy):
     share moves the model twice as far, as its gradient stands for twice the samples. The split is
     rebalanced every ``rebalance_every`` steps from the measured speeds (an all-gather of ``W``
     floats: the one point where the workers meet besides validation and checkpoints); the wait for
-    the server's reply is not counted as compute time. Everything about the server (consensus,
+    the server's reply is not counted as compute time. With ``timer='cpu'`` the compute time is the
+    CPU time of each rank's training thread (``'thread'``), not of its process: rank 0's process
+    also runs the server's threads, whose work would otherwise count as rank 0's compute and shrink
+    its share (torch's intra-op threads are left out as well: use ``torch.set_num_threads(1)``).
+    Everything about the server (consensus,
     checkpoints, logging, resume not bit-identical) is as for ``asgd``; every argument is
     :class:`~lightning_hier.strategies.dbs.DBSStrategy`'s (``sync_buffers`` and ``bucket_size_mb``
     have no effect: nothing is all-reduced, and BatchNorm statistics are rank 0's).
@@ -54,6 +58,11 @@ class AsyncDBSStrategy(ParameterServerWorker, DBSStrategy):
     def _push_weight(self) -> float:
         assert self.algorithm is not None
         return self.world_size * self.algorithm.step_share
+
+    @override
+    def _clock(self) -> str:
+        # every rank reads the same clock, so speeds compare; rank 0's server threads are left out
+        return "thread" if self.timer == "cpu" else self.timer
 
     @override
     def _setup_algorithm(self, trainer: pl.Trainer) -> None:

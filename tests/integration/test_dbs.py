@@ -250,7 +250,7 @@ def test_resume_restores_the_split_and_estimates_and_continues_bit_identically(t
         ({"min_batch_size": 8, "max_batch_size": 4}, "`max_batch_size` must be an integer >= 8, got 4"),
         ({"global_batch_size": 4, "min_batch_size": 8}, "`global_batch_size` must be an integer >= 8, got 4"),
         ({"warmup_steps": -1}, "`warmup_steps` must be an integer >= 0"),
-        ({"timer": "gpu"}, "`timer` must be one of 'wall', 'cpu', got 'gpu'"),
+        ({"timer": "gpu"}, "`timer` must be one of 'wall', 'cpu', 'thread', got 'gpu'"),
         ({"sync_buffers": 1}, "`sync_buffers` must be True or False"),
         ({"bucket_size_mb": 0}, "`bucket_size_mb`"),
     ],

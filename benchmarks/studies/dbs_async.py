@@ -1,0 +1,210 @@
+"""DBS-SGD against ASGD and n-softsync with one straggler: staleness and accuracy at equal wall time.
+
+Ji et al. (2019) claim DBS-SGD lowers the average staleness of asynchronous updates and reaches a
+higher accuracy at equal speed-up than ASGD and n-softsync, on MNIST and CIFAR-10. For each
+workload and slowdown factor this study fits ``dbs_async``, ``asgd`` and ``softsync`` (``n=2`` of
+3 ranks) one after the other in the same three forked CPU ranks (gloo), with rank 2 slowed by
+:class:`~lightning_hier.callbacks.Straggler` in ``'spin'`` mode (the cgroup quota of
+``benchmarks/straggler.py`` needs one core per rank; this machine has two for three ranks, and a
+spinning straggler keeps its slowdown in CPU time however loaded the machine is). DBS times
+compute with ``timer='cpu'`` (the training thread's CPU time in ``dbs_async``).
+
+Rank 0 snapshots the server's model (and its own buffers) every few steps with the wall time
+since the fit started; after all fits, each snapshot is evaluated on the validation set and each
+strategy's accuracy is read at the wall time of the fastest fit of its group ("equal wall time").
+Run from the repository root::
+
+    python -m benchmarks.studies.dbs_async --workloads mnist cifar10 --factors 2 4
+
+MNIST: the t10k file split 8000 / 2000 (only the test set is offline here); CIFAR-10: a fixed
+5000-image training subset of ``cifar10-jpeg.tar.gz``, evaluated on the 10,000 test images.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor
+from typing_extensions import override
+
+from lightning_hier import AsgdStrategy, AsyncDBSStrategy, SoftsyncStrategy
+from lightning_hier.callbacks import Straggler
+from lightning_hier.data import CIFAR10DataModule, DigitsDataModule, MNISTDataModule
+from lightning_hier.data.datamodule import ArrayDataModule
+from lightning_hier.models import Classifier, mlp, small_cnn
+from lightning_hier.strategies.param_server import ParameterServerWorker
+from lightning_hier.testing import run_workers
+
+RANKS, SLOW_RANK = 3, 2
+# samples per rank and step (DBS: a global batch of 3 x BATCH): large enough that compute, not
+# Lightning's and the server's fixed per-step costs, dominates a step (else DBS's measured speed
+# of a rank falls as its batch shrinks, and the straggler's share runs down to one sample)
+BATCH = 128
+STRATEGIES: dict[str, Callable[[], ParameterServerWorker]] = {
+    "dbs_async": lambda: AsyncDBSStrategy(rebalance_every=10, warmup_steps=3, timer="cpu", timeout=120),
+    "asgd": lambda: AsgdStrategy(timeout=120),
+    "softsync_n2": lambda: SoftsyncStrategy(n=2, timeout=120),
+}
+
+
+class Snapshots(pl.Callback):
+    """On rank 0: the server's parameters and rank 0's buffers every ``every`` steps, with wall time."""
+
+    def __init__(self, every: int) -> None:
+        self.every = every
+        self.taken: list[tuple[float, list[Tensor]]] = []
+        self._t0 = 0.0
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._t0 = time.perf_counter()
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        strategy = trainer.strategy
+        assert isinstance(strategy, ParameterServerWorker) and strategy.ps is not None
+        server = strategy.ps.server
+        if server is None or trainer.global_step % self.every:
+            return
+        flat = server.consensus()[0]
+        self.taken.append((time.perf_counter() - self._t0, [flat, *(b.clone() for b in pl_module.buffers())]))
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.global_rank == 0:  # the module holds the consensus model after fit
+            flat = torch.cat([p.detach().reshape(-1) for p in pl_module.parameters()])
+            self.taken.append((time.perf_counter() - self._t0, [flat, *(b.clone() for b in pl_module.buffers())]))
+
+
+def _workloads(mnist_root: str, cifar_root: str) -> dict[str, dict[str, Any]]:
+    return {
+        "digits": {  # the smoke test's: 8x8 digits, built in, a few seconds a fit
+            "data": lambda: DigitsDataModule(batch_size=16),
+            "model": lambda: Classifier(mlp((1, 8, 8), 10, hidden=(32,)), 10, lr=0.05, momentum=0.0),
+            "epochs": 1,
+            "batch": 16,
+        },
+        "mnist": {
+            "data": lambda: MNISTDataModule(root=mnist_root, split="test", batch_size=BATCH),
+            "model": lambda: Classifier(mlp((1, 28, 28), 10, hidden=(512,)), 10, lr=0.05, momentum=0.0),
+            "epochs": 4,
+            "batch": BATCH,
+        },
+        "cifar10": {
+            "data": lambda: CIFAR10DataModule(root=cifar_root, train_size=5000, augment=False, batch_size=BATCH),
+            "model": lambda: Classifier(
+                small_cnn((3, 32, 32), 10, channels=(16, 32), hidden=64), 10, lr=0.05, momentum=0.0
+            ),
+            "epochs": 3,
+            "batch": BATCH,
+        },
+    }
+
+
+def _fit(name: str, w: dict[str, Any], dm: ArrayDataModule, factor: float, seed: int) -> dict[str, Any]:
+    torch.manual_seed(seed)
+    module: Classifier = w["model"]()
+    strategy, snaps = STRATEGIES[name](), Snapshots(every=2)
+    trainer = pl.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=RANKS,
+        max_epochs=w["epochs"],
+        check_val_every_n_epoch=100,
+        callbacks=[Straggler(ranks=SLOW_RANK, factor=factor, mode="spin"), snaps],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        num_sanity_val_steps=0,
+    )
+    start = time.perf_counter()
+    trainer.fit(module, datamodule=dm)
+    wall = time.perf_counter() - start
+    assert strategy.ps is not None
+    stats = strategy.ps.stats()
+    history = strategy.algorithm.history if isinstance(strategy, AsyncDBSStrategy) and strategy.algorithm else []
+    last = history[-1] if history else {}
+    speeds = [round(v) for v in last.get("samples_per_s", [])]
+    row = {"strategy": name, "wall_s": wall, "stats": stats, "sizes": last.get("sizes"), "speeds": speeds}
+    return row | {"snaps": snaps.taken, "module": module}
+
+
+def _accuracy(module: Classifier, state: list[Tensor], loader: Any) -> float:
+    params, buffers = list(module.parameters()), list(module.buffers())
+    with torch.no_grad():
+        flat, offset = state[0], 0
+        for p in params:
+            p.copy_(flat[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
+        for b, s in zip(buffers, state[1:], strict=True):
+            b.copy_(s)
+        module.eval()
+        correct = total = 0
+        for x, y in loader:
+            correct += int((module(x).argmax(dim=1) == y).sum())
+            total += len(y)
+    return correct / total
+
+
+def _at(snaps: list[tuple[float, list[Tensor]]], t: float) -> list[Tensor]:
+    """The last snapshot taken by wall time ``t`` (the first one if none was)."""
+    before = [s for when, s in snaps if when <= t]
+    return before[-1] if before else snaps[0][1]
+
+
+def _work(workloads: list[str], factors: list[float], seed: int, mnist_root: str, cifar_root: str) -> list[dict]:
+    torch.set_num_threads(1)  # three ranks on two cores; the training thread's clock holds all compute
+    rows: list[dict[str, Any]] = []
+    for wname in workloads:
+        w = _workloads(mnist_root, cifar_root)[wname]
+        dm = w["data"]()
+        for factor in factors:
+            fits = [_fit(name, w, dm, factor, seed) for name in STRATEGIES]
+            if torch.distributed.get_rank() != 0:
+                continue
+            equal = min(f["wall_s"] for f in fits)
+            dm.setup("validate")
+            val = [dm.on_after_batch_transfer(b, 0) for b in dm.val_dataloader()]
+            for f in fits:
+                row = {"workload": wname, "factor": factor, "equal_wall_s": equal}
+                row |= {k: f[k] for k in ("strategy", "wall_s", "sizes", "speeds")}
+                row["staleness_mean"] = f["stats"]["ps/staleness_mean"]
+                row["staleness_max"] = f["stats"]["ps/staleness_max"]
+                row["acc_equal_wall"] = _accuracy(f["module"], _at(f["snaps"], equal), val)
+                row["acc_end"] = _accuracy(f["module"], f["snaps"][-1][1], val)
+                rows.append(row)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workloads", nargs="+", default=["mnist", "cifar10"], choices=("digits", "mnist", "cifar10"))
+    parser.add_argument("--factors", nargs="+", type=float, default=[2.0, 4.0])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--mnist-root", default="../shared/datasets/mnist")
+    parser.add_argument("--cifar-root", default="../shared/datasets/cifar10-jpeg.tar.gz")
+    args = parser.parse_args()
+    rows = run_workers(
+        _work, args.workloads, args.factors, args.seed, args.mnist_root, args.cifar_root, devices=RANKS, timeout=3000
+    )[0]
+    print(
+        "| workload | slowdown | strategy | fit wall s | staleness mean | max | acc @ equal wall | acc end "
+        "| DBS sizes | DBS samples/s |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r['workload']} | {r['factor']:g}x | {r['strategy']} | {r['wall_s']:.1f} | {r['staleness_mean']:.2f} "
+            f"| {r['staleness_max']:.0f} | {r['acc_equal_wall']:.4f} (at {r['equal_wall_s']:.1f} s) "
+            f"| {r['acc_end']:.4f} | {r['sizes'] or ''} | {r['speeds'] or ''} |"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,15 @@
+"""The DBS-SGD asynchronous study's code path, on the built-in digits (three forked ranks)."""
+
+from benchmarks.studies.dbs_async import STRATEGIES, _work
+from lightning_hier.testing import run_workers
+
+
+def test_study_fits_each_strategy_and_reads_staleness_and_accuracy_at_equal_wall_time():
+    rows = run_workers(_work, ["digits"], [2.0], 0, "", "", devices=3, timeout=120)[0]
+    assert [r["strategy"] for r in rows] == list(STRATEGIES)
+    equal = min(r["wall_s"] for r in rows)
+    for r in rows:
+        assert r["equal_wall_s"] == equal and 0.0 <= r["acc_equal_wall"] <= 1.0 and r["acc_end"] > 0.1
+        assert r["staleness_max"] >= r["staleness_mean"] >= 0.0
+    dbs = rows[0]
+    assert sum(dbs["sizes"]) == 48 and len(dbs["speeds"]) == 3  # rebalanced at least once
