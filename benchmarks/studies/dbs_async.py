@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
+from benchmarks.studies._trainer import quiet_trainer
 from lightning_hier import AsgdStrategy, AsyncDBSStrategy, SoftsyncStrategy
 from lightning_hier.callbacks import Straggler
 from lightning_hier.data import CIFAR10DataModule, DigitsDataModule, MNISTDataModule
@@ -110,18 +111,12 @@ def _fit(name: str, w: dict[str, Any], dm: ArrayDataModule, factor: float, seed:
     torch.manual_seed(seed)
     module: Classifier = w["model"]()
     strategy, snaps = STRATEGIES[name](), Snapshots(every=2)
-    trainer = pl.Trainer(
+    trainer = quiet_trainer(
         strategy=strategy,
-        accelerator="cpu",
         devices=RANKS,
         max_epochs=w["epochs"],
         check_val_every_n_epoch=100,
         callbacks=[Straggler(ranks=SLOW_RANK, factor=factor, mode="spin"), snaps],
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        num_sanity_val_steps=0,
     )
     start = time.perf_counter()
     trainer.fit(module, datamodule=dm)

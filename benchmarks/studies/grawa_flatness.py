@@ -24,6 +24,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from benchmarks.studies._trainer import quiet_trainer
 from lightning_hier import EasgdStrategy, GrawaStrategy, LocalSGDStrategy, LsgdStrategy
 from lightning_hier.algorithms.flatness import hutchinson_trace, top_eigenvalue
 from lightning_hier.callbacks import Straggler
@@ -91,17 +92,11 @@ def _work(args: argparse.Namespace) -> list[dict[str, Any]]:
                 if factor > 1:
                     callbacks.append(Straggler(ranks=[1], factor=factor))
                 strategy = _strategy(method, args.tau)
-                trainer = pl.Trainer(
+                trainer = quiet_trainer(
                     strategy=strategy,
-                    accelerator="cpu",
                     devices=2,
                     max_epochs=args.epochs,
                     callbacks=callbacks,
-                    logger=False,
-                    enable_progress_bar=False,
-                    enable_model_summary=False,
-                    enable_checkpointing=False,
-                    num_sanity_val_steps=0,
                 )
                 start = time.perf_counter()
                 trainer.fit(module, datamodule=dm)

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, SubsetRandomSampler
 from typing_extensions import override
 
+from benchmarks.studies._trainer import quiet_trainer
 from lightning_hier import GrawaStrategy
 from lightning_hier.callbacks import PullToCenter
 from lightning_hier.data import DigitsDataModule, MNISTDataModule
@@ -102,19 +103,13 @@ def _work(names: list[str], seeds: list[int], skewed: bool, mnist_root: str) -> 
                     torch.manual_seed(seed)
                     module, rec = w["model"](), _MaxWeight()
                     strategy = GrawaStrategy(variant=variant, tau=w["tau"], probe=probe, probe_seed=seed, timeout=120)
-                    trainer = pl.Trainer(
+                    trainer = quiet_trainer(
                         strategy=strategy,
-                        accelerator="cpu",
                         devices=2,
                         max_epochs=w["epochs"],
                         check_val_every_n_epoch=100,
                         callbacks=[rec],
                         use_distributed_sampler=not skewed,
-                        logger=False,
-                        enable_progress_bar=False,
-                        enable_model_summary=False,
-                        enable_checkpointing=False,
-                        num_sanity_val_steps=0,
                     )
                     trainer.fit(module, datamodule=dm)
                     acc = float(trainer.validate(module, datamodule=dm, verbose=False)[0]["val/acc"])
