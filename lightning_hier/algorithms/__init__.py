@@ -8,6 +8,7 @@ from lightning_hier.algorithms.decoupled import DecoupledPipeline
 from lightning_hier.algorithms.grawa import GradientWeightedCenter, NormEMA, grad_norms, probe_grad_norms
 from lightning_hier.algorithms.hpsgd import HPSGD, Merge
 from lightning_hier.algorithms.param_server import DONE, PULL, PUSH, Handler, Reply, Request, ServerCore, ServerStats
+from lightning_hier.algorithms.ps_link import ServerLink
 from lightning_hier.algorithms.ps_rules import AsgdHandler, FlatModel, SoftsyncHandler
 from lightning_hier.algorithms.ps_service import LocalClient, ParameterServer, RemoteClient, Worker, connect
 
@@ -39,6 +40,7 @@ __all__ = [
     "Request",
     "RoundReport",
     "ServerCore",
+    "ServerLink",
     "ServerStats",
     "SoftsyncHandler",
     "ThroughputMeter",

@@ -31,14 +31,13 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_hier.algorithms.param_server import PUSH, Handler, ServerCore
+from lightning_hier.algorithms.ps_link import SERVER_RANK, ServerLink
 from lightning_hier.algorithms.ps_rules import FlatModel
-from lightning_hier.algorithms.ps_service import ParameterServer, Worker, connect
+from lightning_hier.algorithms.ps_service import ParameterServer
 from lightning_hier.comm import CommStats, broadcast_
 
 HandlerFactory = Callable[[FlatModel, int], Handler]
 """Builds the update rule from the server's model and the number of workers."""
-
-SERVER_RANK = 0
 
 
 def copy_optimizer(optimizer: Optimizer, module: nn.Module) -> Callable[[list[nn.Parameter]], Optimizer]:
@@ -89,14 +88,22 @@ class PSAdapter:
         self.comm_stats = stats if stats is not None else CommStats()
         self.params = list(module.parameters())
         self.rank, self.world, self.group, self.timeout = rank, world, group, timeout
-        self.server: ParameterServer | None = None
-        self.worker: Worker | None = None
+        self.link: ServerLink | None = None
+        """Connected at the first :meth:`start`; paused at every :meth:`drain`."""
         self._handler = handler
         self._core: ServerCore | None = None
         self._restored: dict[str, Any] | None = None
         self._model: FlatModel | None = None
-        self.running = False
+
+    @property
+    def server(self) -> ParameterServer | None:
+        """The server (rank 0, once connected)."""
+        return self.link.server if self.link is not None else None
+
+    @property
+    def running(self) -> bool:
         """Whether the server is serving this rank (between :meth:`start` and :meth:`drain`)."""
+        return self.link is not None and self.link.serving
 
     def _build_core(self) -> ServerCore:
         if self._core is None:
@@ -111,12 +118,11 @@ class PSAdapter:
         """Start serving (rank 0) and pull the server's model (every rank); a no-op while running."""
         if self.running:
             return
-        if self.worker is None:
-            self.server, self.worker = connect(self._build_core, self.group, self.rank, SERVER_RANK, self.timeout)
-        elif self.server is not None:
-            self.server.start()
-        self.running = True
-        self._load(self.worker.pull()[0])
+        if self.link is None:
+            self.link = ServerLink.connect(self._build_core, self.group, self.rank, SERVER_RANK, self.timeout)
+        else:
+            self.link.resume()
+        self._load(self.link.worker.pull()[0])
 
     def _load(self, flat: Tensor) -> None:
         flat = flat.to(self.params[0].device)
@@ -128,7 +134,7 @@ class PSAdapter:
 
     def push(self, weight: float, batch_size: int) -> None:
         """Push this rank's gradient times ``weight`` and load the reply's weights."""
-        assert self.worker is not None and self.running, "start() first"
+        assert self.link is not None and self.running, "start() first"
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         flat = torch.cat([g.detach().reshape(-1) for g in grads])
         if weight != 1.0:
@@ -137,7 +143,7 @@ class PSAdapter:
             self._follow_learning_rate()
         self.comm_stats.add(flat.numel() * flat.element_size())
         with self.comm_stats.blocked():
-            reply = self.worker.call(PUSH, [flat.cpu()], batch_size=batch_size)[0]
+            reply = self.link.worker.call(PUSH, [flat.cpu()], batch_size=batch_size)[0]
         self._load(reply)
 
     def step_through_server(self, optimizer: Optimizer, run_step: Callable[[], Any], push: Callable[[], None]) -> Any:
@@ -167,13 +173,8 @@ class PSAdapter:
 
     def drain(self) -> None:
         """Every worker says ``DONE``; rank 0 waits until the server applied everything (while running)."""
-        if not self.running:
-            return
-        assert self.worker is not None
-        self.worker.done()
-        self.running = False
-        if self.server is not None:
-            self.server.join(2 * self.timeout.total_seconds() + 5)
+        if self.link is not None:
+            self.link.pause()
 
     @contextmanager
     def consensus(self) -> Iterator[None]:
@@ -200,10 +201,7 @@ class PSAdapter:
 
     def stats(self) -> dict[str, float]:
         """The server's staleness and per-worker metrics (rank 0; empty elsewhere)."""
-        if self.server is None:
-            return {}
-        with self.server.lock:
-            return self.server.core.stats.summary()
+        return self.link.metrics() if self.link is not None else {}
 
     def state_dict(self) -> dict[str, Any]:
         """The server's state on rank 0 (drained first: call at a collective point); empty elsewhere."""
