@@ -12,6 +12,15 @@ dimensions, laid out row-major with the *inner* dimensions varying fastest::
 - ``model``: the MODEL dimension ``Pr`` of the integrated model x batch x domain grid, so that
   ``rank = c * Pr + r`` (model-parallel ranks consecutive, i.e. inside a node).
 
+On a multi-node job (``num_nodes > 1``) the data dimension also splits in two levels, for the
+two-level synchronisation of hierarchical clusters (fast links inside a node, slow between):
+
+- ``data_intra``: the data-parallel replicas *on one node* (same pipe/model coordinates);
+- ``data_inter``: one replica per node, those with the same local data index on every node.
+
+A two-level average is then an average over ``data_intra`` followed by one over ``data_inter``,
+which equals the average over ``data`` (every intra group has the same size).
+
 The layout arithmetic is pure Python (testable without processes); :meth:`Topology.build`
 creates the ``torch.distributed`` groups, once, on every rank, in the same order.
 """
@@ -28,6 +37,8 @@ from lightning_hier import _validate as v
 
 Dim = Literal["data", "pipe", "model"]
 DIMS: tuple[Dim, ...] = ("data", "pipe", "model")
+Level = Literal["intra", "inter"]
+LEVELS: tuple[Level, ...] = ("intra", "inter")
 
 
 @dataclass(frozen=True)
@@ -117,6 +128,41 @@ class Topology:
             seen.setdefault(tuple(self.group_ranks(dim, rank)), None)
         return [list(g) for g in seen]
 
+    @property
+    def data_per_node(self) -> int:
+        """Data-parallel replicas on each node (0 when a replica's inner ranks span nodes)."""
+        inner = self.pipe * self.model
+        return self.ranks_per_node // inner if self.ranks_per_node % inner == 0 else 0
+
+    def two_level_problem(self) -> str | None:
+        """Why the data dimension cannot split into node-local and cross-node groups, or ``None``."""
+        if self.num_nodes == 1:
+            return "the job has one node (num_nodes=1)"
+        if self.data_per_node == 0:
+            return (
+                f"a replica's pipe x model = {self.pipe * self.model} ranks do not fit in the "
+                f"{self.ranks_per_node} ranks of a node"
+            )
+        return None
+
+    def data_level_groups(self, level: Level) -> list[list[int]]:
+        """Every ``data_intra`` or ``data_inter`` group, in a deterministic order.
+
+        Raises:
+            ValueError: If :meth:`two_level_problem` names a reason the split is impossible.
+        """
+        problem = self.two_level_problem()
+        if problem:
+            raise ValueError(f"Topology: no two-level data groups: {problem}.")
+        per = self.data_per_node
+        groups: list[list[int]] = []
+        for line in self.all_groups("data"):  # one line per (pipe, model) coordinate
+            if level == "intra":
+                groups += [line[n * per : (n + 1) * per] for n in range(self.num_nodes)]
+            else:
+                groups += [line[i::per] for i in range(per)]
+        return groups
+
     def node_groups(self) -> list[list[int]]:
         """Ranks of each node (contiguous blocks)."""
         n = self.ranks_per_node
@@ -149,6 +195,7 @@ class Topology:
         for dim in DIMS:
             groups[dim] = self._new_groups(self.all_groups(dim), rank, timeout)
         groups["node"] = self._new_groups(self.node_groups(), rank, timeout)
+        groups.update(self._level_groups(rank, groups["data"], timeout))
         return ProcessGroups(
             topology=self,
             rank=rank,
@@ -157,7 +204,20 @@ class Topology:
             pipe=groups["pipe"],
             model=groups["model"],
             node=groups["node"],
+            data_intra=groups["data_intra"],
+            data_inter=groups["data_inter"],
         )
+
+    def _level_groups(
+        self, rank: int, data: dist.ProcessGroup | None, timeout: timedelta | None
+    ) -> dict[str, dist.ProcessGroup | None]:
+        # one node: the node-local level is the whole data group and there is no cross-node level;
+        # new groups are only created on a real multi-node layout
+        if self.num_nodes == 1:
+            return {"data_intra": data, "data_inter": None}
+        if self.two_level_problem():
+            return {"data_intra": None, "data_inter": None}
+        return {f"data_{level}": self._new_groups(self.data_level_groups(level), rank, timeout) for level in LEVELS}
 
     def build_service_group(self, timeout: timedelta | None = None) -> dist.ProcessGroup:
         """A second group over every rank, for a background service (the parameter server).
@@ -204,6 +264,8 @@ class ProcessGroups:
     pipe: dist.ProcessGroup | None
     model: dist.ProcessGroup | None
     node: dist.ProcessGroup | None
+    data_intra: dist.ProcessGroup | None = None
+    data_inter: dist.ProcessGroup | None = None
 
     def group(self, dim: Dim) -> dist.ProcessGroup | None:
         """The group along ``dim`` that contains this rank."""

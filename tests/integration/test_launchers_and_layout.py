@@ -48,6 +48,7 @@ def _two_nodes() -> dict:
         "sampler": (sampler.num_replicas, sampler.rank),
         "kwargs": t.strategy.distributed_sampler_kwargs,
         "node_group": torch.distributed.get_process_group_ranks(groups.node),
+        "levels": [torch.distributed.get_process_group_ranks(g) for g in (groups.data_intra, groups.data_inter)],
         "data_group_is_world": groups.data is torch.distributed.group.WORLD,
         "params": flat_params(module),
     }
@@ -59,6 +60,7 @@ def test_two_nodes_by_two_processes_layout():
     assert [o["sampler"] for o in out] == [(4, 0), (4, 1), (4, 2), (4, 3)]
     assert [o["kwargs"] for o in out] == [{"num_replicas": 4, "rank": r} for r in range(4)]
     assert [o["node_group"] for o in out] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert [o["levels"] for o in out] == [[[0, 1], [0, 2]], [[0, 1], [1, 3]], [[2, 3], [0, 2]], [[2, 3], [1, 3]]]
     assert all(o["data_group_is_world"] for o in out)
     assert all(torch.equal(o["params"], out[0]["params"]) for o in out)
 

@@ -67,3 +67,40 @@ def test_describe_is_plain():
 
 def test_factorizations():
     assert factorizations(8) == [(1, 8), (2, 4), (4, 2), (8, 1)]
+
+
+def test_two_level_data_groups_split_the_data_dimension_by_node():
+    topo = Topology(world_size=8, num_nodes=2)
+    assert topo.data_per_node == 4
+    assert topo.data_level_groups("intra") == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert topo.data_level_groups("inter") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+
+
+def test_two_level_groups_keep_pipeline_and_grid_inner_dimensions_inside_a_node():
+    # 2 nodes x 4 ranks, K=2 stages: replicas 0,1 on node 0 and 2,3 on node 1
+    topo = Topology(world_size=8, pipe=2, num_nodes=2)
+    assert topo.data_level_groups("intra") == [[0, 2], [4, 6], [1, 3], [5, 7]]
+    assert topo.data_level_groups("inter") == [[0, 4], [2, 6], [1, 5], [3, 7]]
+    grid = Topology(world_size=8, model=2, num_nodes=2)
+    assert grid.data_level_groups("intra") == [[0, 2], [4, 6], [1, 3], [5, 7]]
+
+
+def test_every_intra_then_inter_pair_covers_the_data_group_once():
+    topo = Topology(world_size=12, model=2, num_nodes=3)
+    for line in topo.all_groups("data"):
+        intra = [g for g in topo.data_level_groups("intra") if g[0] in line]
+        inter = [g for g in topo.data_level_groups("inter") if g[0] in line]
+        assert sorted(r for g in intra for r in g) == line == sorted(r for g in inter for r in g)
+        assert {len(g) for g in intra} == {topo.data_per_node} and {len(g) for g in inter} == {3}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"world_size": 4}, r"one node \(num_nodes=1\)"),
+        ({"world_size": 4, "pipe": 4, "num_nodes": 2}, "pipe x model = 4 ranks do not fit in the 2 ranks of a node"),
+    ],
+)
+def test_two_level_groups_name_why_they_cannot_exist(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        Topology(**kwargs).data_level_groups("intra")
