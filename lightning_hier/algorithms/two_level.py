@@ -1,0 +1,138 @@
+"""Two-level synchronisation for hierarchical clusters: fast links inside a node, slow ones between.
+
+One rule for every data-parallel family (HPSGD, Local SGD, GRAWA), after hierarchical Local SGD
+(Lin, Stich, Patel and Jaggi, "Don't Use Large Mini-Batches, Use Local SGD", ICLR 2020: local
+steps ``H``, block steps ``H_b``). The data-parallel replicas split into ``data_intra`` (the
+replicas of one node) and ``data_inter`` (one replica per node, the same local index on every
+node; built once by :class:`~lightning_hier.topology.Topology`). With ``inter_node_every = m``:
+
+- ``intra_node='window'``: every synchronisation (an HPSGD window, a Local SGD / GRAWA round of
+  ``tau`` steps) runs over ``data_intra``; every ``m``-th one also reaches across nodes. For a
+  uniform mean the cross-node part is a second mean over ``data_inter`` after the node's mean
+  (every intra group has the same size, so the mean of the node means is the global mean, and
+  only ``data_inter`` traffic crosses the slow link).
+- ``intra_node='step'``: DDP inside the node (gradients averaged over ``data_intra`` after every
+  backward, so a node's replicas stay equal) and the family's periodic rule only across nodes,
+  over ``data_inter``, every ``m`` windows / ``m * tau`` steps.
+
+This module holds the parts the families share: the level schedule (:class:`TwoLevel`), the
+argument check (:func:`two_level_problem`), the node's gradient average
+(:func:`average_gradients_`) and the byte accounting per level (:class:`LevelBytes`). The
+HPSGD inter-node merge is :mod:`lightning_hier.algorithms.hpsgd_two_level`; the averaging
+family's rounds are in :mod:`lightning_hier.algorithms.averaging`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from lightning_hier.comm import CommStats, all_reduce_mean_
+from lightning_hier.comm.collectives import Group
+
+IntraNode = Literal["window", "step"]
+INTRA_NODE: tuple[IntraNode, ...] = ("window", "step")
+Level = Literal["intra", "inter"]
+
+
+@dataclass(frozen=True)
+class TwoLevel:
+    """The groups and the period of a two-level rule (``intra_node='window'``).
+
+    Args:
+        intra: ``data_intra``, this rank's replicas on its node.
+        inter: ``data_inter``, this rank's counterparts on the other nodes.
+        every: ``m``: every ``m``-th synchronisation also reaches across nodes (1: every one).
+    """
+
+    intra: Group
+    inter: Group
+    every: int
+
+    def __post_init__(self) -> None:
+        if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
+            raise ValueError(f"TwoLevel: argument `every` must be an integer >= 1, got {self.every!r}.")
+
+    def reaches_across(self, index: int) -> bool:
+        """Whether synchronisation number ``index`` (0-based) also reaches across nodes."""
+        return (index + 1) % self.every == 0
+
+
+def two_level_problem(
+    inter_node_every: int | None, intra_node: str, num_nodes: int, layout_problem: str | None
+) -> str | None:
+    """Why these two-level arguments cannot run on this layout, or ``None`` when they can.
+
+    Args:
+        inter_node_every: ``m``, or ``None`` for the flat rule.
+        intra_node: ``'window'`` or ``'step'``.
+        num_nodes: Lightning's ``num_nodes``.
+        layout_problem: :meth:`Topology.two_level_problem`'s answer (why the data group cannot split).
+    """
+    if inter_node_every is None:
+        if intra_node != "window":
+            return f"intra_node={intra_node!r} needs inter_node_every (an integer >= 1): it is a two-level option"
+        return None
+    if num_nodes < 2:
+        return f"two-level synchronisation needs num_nodes > 1, the Trainer has num_nodes={num_nodes}"
+    if layout_problem:
+        return f"the data-parallel group cannot split into node levels: {layout_problem}"
+    return None
+
+
+@torch.no_grad()
+def average_gradients_(params: Iterable[Tensor], group: Group, stats: CommStats | None = None) -> None:
+    """DDP inside the node: every ``.grad`` becomes its mean over ``group`` (a blocking collective).
+
+    A parameter without a gradient on this rank gets a zero gradient first, so every rank
+    reduces the same tensors in the same order.
+    """
+    if group is None:
+        return
+    grads = []
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        grads.append(p.grad)
+    all_reduce_mean_(grads, group, stats)
+
+
+@dataclass
+class LevelBytes:
+    """Payload bytes handed to collectives per level (``intra``: inside a node; ``inter``: crossing nodes).
+
+    Counted as the growth of a shared :class:`CommStats` around each collective, so the total
+    ``comm/bytes`` stays the sum of both.
+    """
+
+    stats: CommStats
+    intra: int = 0
+    inter: int = 0
+
+    @contextmanager
+    def counting(self, level: Level) -> Iterator[None]:
+        """Add the bytes of the collectives run inside to ``level``."""
+        before = self.stats.bytes
+        try:
+            yield
+        finally:
+            grown = self.stats.bytes - before
+            if level == "intra":
+                self.intra += grown
+            else:
+                self.inter += grown
+
+    def metrics(self, prefix: str = "comm") -> dict[str, float]:
+        """``{prefix}/bytes_intra`` and ``{prefix}/bytes_inter`` (running totals)."""
+        return {f"{prefix}/bytes_intra": float(self.intra), f"{prefix}/bytes_inter": float(self.inter)}
+
+    def state_dict(self) -> dict[str, int]:
+        return {"intra": self.intra, "inter": self.inter}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.intra, self.inter = int(state.get("intra", 0)), int(state.get("inter", 0))
