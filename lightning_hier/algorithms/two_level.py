@@ -27,11 +27,12 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
 
+from lightning_hier.algorithms.centers import CenterPolicy
 from lightning_hier.comm import CommStats, all_reduce_mean_
 from lightning_hier.comm.collectives import Group
 
@@ -136,3 +137,48 @@ class LevelBytes:
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.intra, self.inter = int(state.get("intra", 0)), int(state.get("inter", 0))
+
+
+class LevelRounds:
+    """The two-level rounds of periodic averaging (Local SGD, GRAWA): which policy runs over which group.
+
+    Round ``k`` (0-based) of :class:`~lightning_hier.algorithms.averaging.PeriodicAveraging`:
+
+    - not an ``m``-th round: the *node policy* combines the node's replicas over ``data_intra``
+      (GRAWA: the node's center, weighted by inverse gradient norms as in a flat round);
+    - every ``m``-th round, a policy that is a plain mean (:attr:`CenterPolicy.mean_of_means`,
+      Local SGD): the node's mean over ``data_intra``, then the mean of the node means over
+      ``data_inter`` (the global mean, with only ``data_inter`` traffic across nodes);
+    - every ``m``-th round, any other policy (GRAWA): one round of the *whole-job policy* over the
+      whole data group, exactly a flat round.
+
+    The node policy and the whole-job policy are separate objects, so a stateful policy keeps
+    one state per level (GRAWA: the norm EMA of the node rounds, and that of the whole-job
+    rounds, each bias-corrected over its own rounds). The consensus model, the final round of a
+    fit and the rounds after a resume use the whole-job level.
+
+    Args:
+        levels: ``data_intra``, ``data_inter`` and ``m``.
+        node_policy: The policy of the node rounds (a new instance of the whole-job policy's class).
+        stats: The shared accounting; bytes are also counted per level in :attr:`level_bytes`.
+    """
+
+    def __init__(self, levels: TwoLevel, node_policy: CenterPolicy, stats: CommStats) -> None:
+        self.levels, self.node_policy = levels, node_policy
+        self.level_bytes = LevelBytes(stats)
+
+    def stages(self, policy: CenterPolicy, group: Group, index: int | None) -> list[tuple[CenterPolicy, Group, Level]]:
+        """``(policy, group, level)`` in order for round ``index`` (``None``: a whole-job round)."""
+        intra = (self.node_policy, self.levels.intra, "intra")
+        if index is not None and not self.levels.reaches_across(index):
+            return [intra]  # type: ignore[list-item]
+        if policy.mean_of_means:
+            return [intra, (policy, self.levels.inter, "inter")]  # type: ignore[list-item]
+        return [(policy, group, "inter")]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"node_policy": self.node_policy.state_dict(), "level_bytes": self.level_bytes.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.node_policy.load_state_dict(state.get("node_policy", {}))
+        self.level_bytes.load_state_dict(state.get("level_bytes", {}))
