@@ -61,8 +61,8 @@ class TwoLevelOptions(HierStrategy):
         self.intra_node = v.check_choice(owner, "intra_node", intra_node, INTRA_NODE)
         if inter_node_every is None and intra_node != "window":
             raise ValueError(
-                f"{owner}: argument `intra_node`={intra_node!r} needs `inter_node_every` (an integer >= 1): "
-                "it only applies to two-level synchronisation."
+                f"{owner}: argument `intra_node` must be 'window' without `inter_node_every`, got {intra_node!r}: "
+                "'step' (DDP inside the node) is a two-level option."
             )
         self._intra_bytes = LevelBytes(self.comm_stats)
         if inter_node_every is not None and unsupported:
