@@ -184,7 +184,7 @@ class TwoLevelHPSGD:
                 f"HPSGD: the checkpoint was written with {written}, this run uses inter_node_every={self.levels.every}."
             )
         self._wait()
-        self.node.load_state_dict(state)
+        self.node.load_state_dict({k: v for k, v in state.items() if k != "two_level"})
         for name in ("base", "sent", "in_flight"):
             load_flat(self.node.flat, getattr(self, name), mine[name], name)
         self.pending, self.inter_merges = bool(mine["pending"]), int(mine["inter_merges"])

@@ -125,3 +125,61 @@ def test_two_level_rule_equals_its_single_process_simulation(real_runs, case):
         assert any(torch.equal(x[0], x[1]) and not torch.allclose(x[0], x[2], atol=1e-6) for x in real[:-1]), (
             "the node rounds must leave the nodes apart"
         )
+
+
+def _consensus_and_resume(family: str, stop: int) -> dict[str, list[torch.Tensor]]:
+    """Train to ``stop``, look at the consensus, save the state, go on in a fresh algorithm loaded from it."""
+    dist.init_process_group("gloo")
+    groups = Topology(world_size=4, num_nodes=2).build(dist.get_rank())
+    rank = dist.get_rank()
+    runs: dict[str, list[torch.Tensor]] = {}
+    for resume in (False, True):
+        net = _net()
+        opt = _sgd(net, _momentum(family))
+        algo = _algorithm(family, net, opt, groups, 2, "window")
+        for step in range(STEPS):
+            if resume and step == stop:
+                state = {"algo": _clone(algo.state_dict()), "opt": _clone(opt.state_dict())}
+                params = parameters_to_vector(net.parameters()).detach().clone()
+                net, opt = _net(), None
+                opt = _sgd(net, _momentum(family))
+                torch.nn.utils.vector_to_parameters(params, net.parameters())
+                algo = _algorithm(family, net, opt, groups, 2, "window")
+                algo.load_state_dict(state["algo"])
+                opt.load_state_dict(state["opt"])
+            opt.zero_grad()
+            _loss(net, _batch(rank, step)).backward()
+            opt.step()
+            algo.step()
+            if not resume and step == stop:
+                before = parameters_to_vector(net.parameters()).detach().clone()
+                with algo.consensus():
+                    runs["consensus"] = [parameters_to_vector(net.parameters()).detach().clone()]
+                runs["restored"] = [parameters_to_vector(net.parameters()).detach().clone(), before]
+        algo.finalize()
+        runs["resumed" if resume else "straight"] = [parameters_to_vector(net.parameters()).detach().clone()]
+    return runs
+
+
+def _clone(state):
+    if isinstance(state, torch.Tensor):
+        return state.clone()
+    if isinstance(state, dict):
+        return {k: _clone(v) for k, v in state.items()}
+    if isinstance(state, list | tuple):
+        return type(state)(_clone(v) for v in state)
+    return state
+
+
+@pytest.mark.parametrize(("family", "stop"), [("hpsgd", 7), ("hpsgd", 8), ("localsgd", 5), ("mgrawa", 5)])
+def test_consensus_is_one_model_and_a_resumed_run_continues_bit_identically(family, stop):
+    out = run_workers(_consensus_and_resume, family, stop, devices=2, num_nodes=2, timeout=120)
+    consensus = [o["consensus"][0] for o in out]
+    assert all(torch.equal(c, consensus[0]) for c in consensus), "the consensus model is the same on every rank"
+    assert all(torch.equal(*o["restored"]) for o in out), "the replica is back after the consensus"
+    if family == "localsgd":  # after a node round (round 2 of m = 2), between the nodes: the mean of all replicas
+        expected = _reference(family, 2, "window")[stop]
+        torch.testing.assert_close(consensus[0], ref.mean(expected), atol=1e-6, rtol=0)
+        assert not torch.allclose(expected[0], expected[2], atol=1e-6)  # the nodes did differ there
+    for o in out:
+        assert torch.equal(o["straight"][0], o["resumed"][0])
