@@ -22,7 +22,18 @@ from lightning_hier.testing import run_workers
 from lightning_hier.topology import ProcessGroups, Topology
 from tests import two_level_reference as ref
 
-STEPS, BATCH, LR = 11, 6, 0.1
+BATCH, LR = 6, 0.1
+H = 2  # HPSGD's window (Local SGD's and GRAWA's tau too)
+
+
+def _steps(family: str) -> int:
+    # HPSGD, 12 steps: merges at steps 3, 5, ..., 11, so with m = 2 a cross-node sum is applied
+    # mid-fit (merge 4) and one is pending at the end, after a partial last window. Averaging,
+    # 11 steps: with m = 2 the last round (the 5th) stays in the node, so the end of fit is a
+    # whole-job round.
+    return 12 if family == "hpsgd" else 11
+
+
 LAM = 0.5
 
 
@@ -54,14 +65,14 @@ def _algorithm(family: str, net: nn.Module, opt: torch.optim.Optimizer, g: Proce
     step_mode = intra == "step"
     if family == "hpsgd":
         if step_mode:
-            return HPSGD(net.parameters(), g.data_inter, window=3 * m, optimizer=opt, stats=stats)
-        return TwoLevelHPSGD(HPSGD(net.parameters(), g.data_intra, window=3, optimizer=opt, stats=stats), levels)
+            return HPSGD(net.parameters(), g.data_inter, window=H * m, optimizer=opt, stats=stats)
+        return TwoLevelHPSGD(HPSGD(net.parameters(), g.data_intra, window=H, optimizer=opt, stats=stats), levels)
     policy = UniformCenter if family == "localsgd" else GradientWeightedCenter
     lam = 1.0 if family == "localsgd" else LAM
     if step_mode:
-        return PeriodicAveraging(net.parameters(), g.data_inter, policy(), 2 * m, lam=lam, stats=stats)
+        return PeriodicAveraging(net.parameters(), g.data_inter, policy(), H * m, lam=lam, stats=stats)
     rounds = LevelRounds(levels, policy(), stats)
-    return PeriodicAveraging(net.parameters(), g.data, policy(), 2, lam=lam, stats=stats, levels=rounds)
+    return PeriodicAveraging(net.parameters(), g.data, policy(), H, lam=lam, stats=stats, levels=rounds)
 
 
 def _train(groups: ProcessGroups, family: str, m: int, intra: str) -> list[torch.Tensor]:
@@ -70,7 +81,7 @@ def _train(groups: ProcessGroups, family: str, m: int, intra: str) -> list[torch
     opt = _sgd(net, _momentum(family))
     algo = _algorithm(family, net, opt, groups, m, intra)
     out = []
-    for step in range(STEPS):
+    for step in range(_steps(family)):
         opt.zero_grad()
         _loss(net, _batch(rank, step)).backward()
         if intra == "step":
@@ -92,10 +103,10 @@ def _all_cases(cases: list[tuple[str, int, str]]) -> list[list[torch.Tensor]]:
 def _reference(family: str, m: int, intra: str) -> list[list[torch.Tensor]]:
     workers = ref.Workers(_net, lambda mod: _sgd(mod, _momentum(family)), _loss, _batch)
     if family == "hpsgd":
-        return ref.hpsgd(workers, STEPS, 3, m, intra)
+        return ref.hpsgd(workers, _steps(family), H, m, intra)
     if family == "localsgd":
-        return ref.local_sgd(workers, STEPS, 2, m, intra)
-    return ref.grawa(workers, STEPS, 2, m, intra, LAM, DEFAULT_BETA)
+        return ref.local_sgd(workers, _steps(family), H, m, intra)
+    return ref.grawa(workers, _steps(family), H, m, intra, LAM, DEFAULT_BETA)
 
 
 CASES = [
@@ -108,13 +119,16 @@ CASES = [
 @pytest.fixture(scope="module")
 def real_runs() -> dict[tuple[str, int, str], list[list[torch.Tensor]]]:
     per_rank = run_workers(_all_cases, CASES, devices=2, num_nodes=2, timeout=180)
-    return {case: [[per_rank[r][i][s] for r in range(4)] for s in range(STEPS + 1)] for i, case in enumerate(CASES)}
+    return {
+        case: [[per_rank[r][i][s] for r in range(4)] for s in range(_steps(case[0]) + 1)]
+        for i, case in enumerate(CASES)
+    }
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-m{c[1]}-{c[2]}")
 def test_two_level_rule_equals_its_single_process_simulation(real_runs, case):
     real, expected = real_runs[case], _reference(*case)
-    assert len(real) == len(expected) == STEPS + 1
+    assert len(real) == len(expected) == _steps(case[0]) + 1
     for step, (got, want) in enumerate(zip(real, expected, strict=True)):
         for rank in range(4):
             torch.testing.assert_close(got[rank], want[rank], atol=1e-6, rtol=0, msg=f"{case} step {step} rank {rank}")
@@ -137,7 +151,7 @@ def _consensus_and_resume(family: str, stop: int) -> dict[str, list[torch.Tensor
         net = _net()
         opt = _sgd(net, _momentum(family))
         algo = _algorithm(family, net, opt, groups, 2, "window")
-        for step in range(STEPS):
+        for step in range(_steps(family)):
             if resume and step == stop:
                 state = {"algo": _clone(algo.state_dict()), "opt": _clone(opt.state_dict())}
                 params = parameters_to_vector(net.parameters()).detach().clone()
@@ -171,7 +185,7 @@ def _clone(state):
     return state
 
 
-@pytest.mark.parametrize(("family", "stop"), [("hpsgd", 7), ("hpsgd", 8), ("localsgd", 5), ("mgrawa", 5)])
+@pytest.mark.parametrize(("family", "stop"), [("hpsgd", 7), ("hpsgd", 9), ("localsgd", 5), ("mgrawa", 5)])
 def test_consensus_is_one_model_and_a_resumed_run_continues_bit_identically(family, stop):
     out = run_workers(_consensus_and_resume, family, stop, devices=2, num_nodes=2, timeout=120)
     consensus = [o["consensus"][0] for o in out]
