@@ -128,23 +128,29 @@ def grawa(
     node_ema, job_ema = _Ema(beta), _Ema(beta)
     out, since, rounds, last_across = [], 0, 0, True
     period = tau * m if intra_node == "step" else tau
+    centers: list[Tensor] = []
     for step in range(steps):
         workers.step(step, intra_node == "step")
         since += 1
         if since == period:
             since = 0
             across = intra_node == "step" or (rounds + 1) % m == 0
-            _grawa_round(workers, job_ema if across else node_ema, across, intra_node, lam, eps)
+            centers = _grawa_round(workers, job_ema if across else node_ema, across, intra_node, lam, eps)
             rounds, last_across = rounds + 1, across
         out.append([workers.x(w) for w in range(W)])
     if since or not last_across:  # final round: the whole job's level, every replica becomes c
         _grawa_round(workers, job_ema, True, intra_node, 1.0, eps)
+    else:  # right after a whole-job round: every replica becomes that round's c
+        for w in range(W):
+            workers.set(w, centers[w])
     out.append([workers.x(w) for w in range(W)])
     return out
 
 
-def _grawa_round(workers: Workers, ema: _Ema, across: bool, intra_node: str, lam: float, eps: float) -> None:
+def _grawa_round(workers: Workers, ema: _Ema, across: bool, intra_node: str, lam: float, eps: float) -> list[Tensor]:
+    """One round; returns every worker's center ``c``."""
     xs = [workers.x(w) for w in range(W)]
+    centers = []
     scores = [ema.score(w, workers.grad_norm_sum(w), eps) for w in range(W)]
     for w in range(W):
         # 'step': the rule over the workers with the same local index; 'window': the node or everyone
@@ -152,6 +158,8 @@ def _grawa_round(workers: Workers, ema: _Ema, across: bool, intra_node: str, lam
         total = sum(scores[v] for v in group)
         c = sum(torch.tensor(scores[v] / total, dtype=torch.float64).float() * xs[v] for v in group)
         workers.set(w, xs[w] + lam * (c - xs[w]))
+        centers.append(c)
+    return centers
 
 
 # ---------------------------------------------------------------------------------- HPSGD

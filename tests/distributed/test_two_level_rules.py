@@ -29,9 +29,9 @@ H = 2  # HPSGD's window (Local SGD's and GRAWA's tau too)
 def _steps(family: str) -> int:
     # HPSGD, 12 steps: merges at steps 3, 5, ..., 11, so with m = 2 a cross-node sum is applied
     # mid-fit (merge 4) and one is pending at the end, after a partial last window. Averaging,
-    # 11 steps: with m = 2 the last round (the 5th) stays in the node, so the end of fit is a
-    # whole-job round.
-    return 12 if family == "hpsgd" else 11
+    # 10 steps: with 'window' and m = 2 the last round (the 5th) stays in the node, so the end of
+    # fit is a whole-job round; with 'step' and m = 2 the last period is partial.
+    return 12 if family == "hpsgd" else 10
 
 
 LAM = 0.5
