@@ -82,31 +82,62 @@ def mean(xs: list[Tensor]) -> Tensor:
 
 
 # ---------------------------------------------------------------------------------- Local SGD
-def local_sgd(workers: Workers, steps: int, tau: int, m: int, intra_node: str) -> list[list[Tensor]]:
-    """Replicas after every step; the last entry is after the end of fit."""
-    out, last_across, since = [], True, 0
+def _periodic(
+    workers: Workers,
+    steps: int,
+    tau: int,
+    m: int,
+    intra_node: str,
+    round_: Callable[[bool], list[Tensor]],
+    final: Callable[[], object],
+) -> list[list[Tensor]]:
+    """The schedule of both averaging rules; replicas after every step, the last entry after the end of fit.
+
+    ``round_(across)`` runs one round and returns every worker's center; ``final()`` is the
+    whole-job round of a fit that ends mid-period or after a node round. Right after a whole-job
+    round every replica becomes that round's center.
+    """
+    out, since, rounds, last_across = [], 0, 0, True
     period = tau * m if intra_node == "step" else tau
-    rounds = 0
+    centers: list[Tensor] = []
     for step in range(steps):
         workers.step(step, intra_node == "step")
         since += 1
         if since == period:
             since = 0
             across = intra_node == "step" or (rounds + 1) % m == 0
-            _uniform_round(workers, across)
+            centers = round_(across)
             rounds, last_across = rounds + 1, across
         out.append([workers.x(w) for w in range(W)])
-    if since or not last_across:  # the end of fit: a final round across nodes
-        _uniform_round(workers, True)
+    if since or not last_across:
+        final()
+    elif centers:
+        for w in range(W):
+            workers.set(w, centers[w])
     out.append([workers.x(w) for w in range(W)])
     return out
 
 
-def _uniform_round(workers: Workers, across: bool) -> None:
+def local_sgd(workers: Workers, steps: int, tau: int, m: int, intra_node: str) -> list[list[Tensor]]:
+    """Local SGD on two levels (every replica becomes its round's mean)."""
+    return _periodic(
+        workers,
+        steps,
+        tau,
+        m,
+        intra_node,
+        lambda across: _uniform_round(workers, across),
+        lambda: _uniform_round(workers, True),
+    )
+
+
+def _uniform_round(workers: Workers, across: bool) -> list[Tensor]:
     xs = [workers.x(w) for w in range(W)]
     node_means = [mean([xs[v] for v in node_of(w)]) for w in range(W)]
+    centers = [mean([node_means[v] for v in across_of(w)]) if across else node_means[w] for w in range(W)]
     for w in range(W):
-        workers.set(w, mean([node_means[v] for v in across_of(w)]) if across else node_means[w])
+        workers.set(w, centers[w])
+    return centers
 
 
 # ---------------------------------------------------------------------------------- GRAWA
@@ -126,25 +157,14 @@ def grawa(
 ) -> list[list[Tensor]]:
     """MGRAWA (p = 1, norm 'sum', probe = the step's gradients, rho = 0) on two levels."""
     node_ema, job_ema = _Ema(beta), _Ema(beta)
-    out, since, rounds, last_across = [], 0, 0, True
-    period = tau * m if intra_node == "step" else tau
-    centers: list[Tensor] = []
-    for step in range(steps):
-        workers.step(step, intra_node == "step")
-        since += 1
-        if since == period:
-            since = 0
-            across = intra_node == "step" or (rounds + 1) % m == 0
-            centers = _grawa_round(workers, job_ema if across else node_ema, across, intra_node, lam, eps)
-            rounds, last_across = rounds + 1, across
-        out.append([workers.x(w) for w in range(W)])
-    if since or not last_across:  # final round: the whole job's level, every replica becomes c
-        _grawa_round(workers, job_ema, True, intra_node, 1.0, eps)
-    else:  # right after a whole-job round: every replica becomes that round's c
-        for w in range(W):
-            workers.set(w, centers[w])
-    out.append([workers.x(w) for w in range(W)])
-    return out
+
+    def round_(across: bool) -> list[Tensor]:
+        return _grawa_round(workers, job_ema if across else node_ema, across, intra_node, lam, eps)
+
+    # the final round: the whole job's level, every replica becomes c
+    return _periodic(
+        workers, steps, tau, m, intra_node, round_, lambda: _grawa_round(workers, job_ema, True, intra_node, 1.0, eps)
+    )
 
 
 def _grawa_round(workers: Workers, ema: _Ema, across: bool, intra_node: str, lam: float, eps: float) -> list[Tensor]:

@@ -7,6 +7,8 @@ the end of fit must match ``tests/two_level_reference.py`` (4 workers in one pro
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -153,7 +155,7 @@ def _consensus_and_resume(family: str, stop: int) -> dict[str, list[torch.Tensor
         algo = _algorithm(family, net, opt, groups, 2, "window")
         for step in range(_steps(family)):
             if resume and step == stop:
-                state = {"algo": _clone(algo.state_dict()), "opt": _clone(opt.state_dict())}
+                state = copy.deepcopy({"algo": algo.state_dict(), "opt": opt.state_dict()})
                 params = parameters_to_vector(net.parameters()).detach().clone()
                 net, opt = _net(), None
                 opt = _sgd(net, _momentum(family))
@@ -173,16 +175,6 @@ def _consensus_and_resume(family: str, stop: int) -> dict[str, list[torch.Tensor
         algo.finalize()
         runs["resumed" if resume else "straight"] = [parameters_to_vector(net.parameters()).detach().clone()]
     return runs
-
-
-def _clone(state):
-    if isinstance(state, torch.Tensor):
-        return state.clone()
-    if isinstance(state, dict):
-        return {k: _clone(v) for k, v in state.items()}
-    if isinstance(state, list | tuple):
-        return type(state)(_clone(v) for v in state)
-    return state
 
 
 @pytest.mark.parametrize(("family", "stop"), [("hpsgd", 7), ("hpsgd", 9), ("localsgd", 5), ("mgrawa", 5)])
