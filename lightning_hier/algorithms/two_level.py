@@ -76,9 +76,7 @@ def two_level_problem(
         layout_problem: :meth:`Topology.two_level_problem`'s answer (why the data group cannot split).
     """
     if inter_node_every is None:
-        if intra_node != "window":
-            return f"intra_node={intra_node!r} needs inter_node_every (an integer >= 1): it is a two-level option"
-        return None
+        return None if intra_node == "window" else f"intra_node={intra_node!r} needs inter_node_every"
     if num_nodes < 2:
         return f"two-level synchronisation needs num_nodes > 1, the Trainer has num_nodes={num_nodes}"
     if layout_problem:
