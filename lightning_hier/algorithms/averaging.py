@@ -36,7 +36,7 @@ Pure torch, usable from a plain training loop::
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -218,7 +218,7 @@ class PeriodicAveraging:
             return self.policy.combine(c, self._context(fresh, norms, lam))
         fields: dict[str, Any] = {}
         for policy, group, level in self.levels.stages(self.policy, self.group, index):
-            with self.levels.level_bytes.counting(level):
+            with self.levels.level_bytes.counting(level) if level else nullcontext():
                 fields = policy.combine(c, self._context_in(group, fresh, norms, lam))
         return fields
 
@@ -228,7 +228,7 @@ class PeriodicAveraging:
             all_reduce_mean_(buffers, self.group, self.stats)
             return
         for _, group, level in self.levels.stages(self.policy, self.group, index):
-            with self.levels.level_bytes.counting(level):
+            with self.levels.level_bytes.counting(level or "inter"):
                 all_reduce_mean_(buffers, group, self.stats)
 
     def _consensus_distance(self, x: list[Tensor], c: list[Tensor], group: Group) -> float:

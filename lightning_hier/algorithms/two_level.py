@@ -24,16 +24,18 @@ family's rounds are in :mod:`lightning_hier.algorithms.averaging`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
+from typing_extensions import override
 
-from lightning_hier.algorithms.centers import CenterPolicy
-from lightning_hier.comm import CommStats, all_reduce_mean_
+from lightning_hier.algorithms.centers import CenterPolicy, RoundContext
+from lightning_hier.comm import CommStats, all_reduce_mean_, all_reduce_sum_, all_reduce_sum_async, group_size, wait_all
 from lightning_hier.comm.collectives import Group
 
 IntraNode = Literal["window", "step"]
@@ -101,6 +103,53 @@ def average_gradients_(params: Iterable[Tensor], group: Group, stats: CommStats 
     all_reduce_mean_(grads, group, stats)
 
 
+def _chunks(tensor: Tensor, intra: Group) -> tuple[Tensor, ...]:
+    return tensor.reshape(-1).tensor_split(group_size(intra))  # views: the tensors are contiguous
+
+
+def node_shard(tensors: Sequence[Tensor], intra: Group) -> list[Tensor]:
+    """This rank's share of every tensor: chunk ``i`` of ``d'``, ``i`` its index in ``data_intra`` (views).
+
+    Empty chunks are left out; they are empty on the same ranks of every node.
+    """
+    index = 0 if intra is None else dist.get_rank(intra)
+    return [c for t in tensors if (c := _chunks(t, intra)[index]).numel()]
+
+
+def launch_across_nodes(tensors: Sequence[Tensor], levels: TwoLevel, bytes_: LevelBytes) -> list[dist.Work]:
+    """Start the SUM across nodes of ``tensors``, which are equal on the ranks of a node.
+
+    Each of the node's ``d'`` ranks reduces only its shard over its ``data_inter`` group, so the
+    node sends the model once across the slow link, not ``d'`` times. Finish with
+    :func:`complete_across_nodes_` after waiting for the returned handles.
+    """
+    with bytes_.counting("inter"):
+        return all_reduce_sum_async(node_shard(tensors, levels.intra), levels.inter, bytes_.stats)
+
+
+def complete_across_nodes_(tensors: Sequence[Tensor], levels: TwoLevel, bytes_: LevelBytes) -> None:
+    """Once the shard sums are done: every rank's ``tensors`` become the whole sum (a SUM over ``data_intra``).
+
+    The other ranks' shards are zeroed first, so the node's SUM gathers the shards exactly.
+    """
+    if levels.intra is None:
+        return
+    index = dist.get_rank(levels.intra)
+    with torch.no_grad():
+        for t in tensors:
+            for j, chunk in enumerate(_chunks(t, levels.intra)):
+                if j != index:
+                    chunk.zero_()
+    with bytes_.counting("intra"):
+        all_reduce_sum_(tensors, levels.intra, bytes_.stats)
+
+
+def sum_across_nodes_(tensors: Sequence[Tensor], levels: TwoLevel, bytes_: LevelBytes) -> None:
+    """Blocking :func:`launch_across_nodes` and :func:`complete_across_nodes_`."""
+    wait_all(launch_across_nodes(tensors, levels, bytes_), bytes_.stats)
+    complete_across_nodes_(tensors, levels, bytes_)
+
+
 @dataclass
 class LevelBytes:
     """Payload bytes handed to collectives per level (``intra``: inside a node; ``inter``: crossing nodes).
@@ -164,14 +213,20 @@ class LevelRounds:
     def __init__(self, levels: TwoLevel, node_policy: CenterPolicy, stats: CommStats) -> None:
         self.levels, self.node_policy = levels, node_policy
         self.level_bytes = LevelBytes(stats)
+        self._across = _MeanAcrossNodes(levels, self.level_bytes)
 
-    def stages(self, policy: CenterPolicy, group: Group, index: int | None) -> list[tuple[CenterPolicy, Group, Level]]:
-        """``(policy, group, level)`` in order for round ``index`` (``None``: a whole-job round)."""
-        intra = (self.node_policy, self.levels.intra, "intra")
+    def stages(
+        self, policy: CenterPolicy, group: Group, index: int | None
+    ) -> list[tuple[CenterPolicy, Group, Level | None]]:
+        """``(policy, group, level)`` in order for round ``index`` (``None``: a whole-job round).
+
+        ``level`` is ``None`` where the stage counts its bytes per level itself.
+        """
+        intra: tuple[CenterPolicy, Group, Level | None] = (self.node_policy, self.levels.intra, "intra")
         if index is not None and not self.levels.reaches_across(index):
-            return [intra]  # type: ignore[list-item]
+            return [intra]
         if policy.mean_of_means:
-            return [intra, (policy, self.levels.inter, "inter")]  # type: ignore[list-item]
+            return [intra, (self._across, self.levels.inter, None)]
         return [(policy, group, "inter")]
 
     def state_dict(self) -> dict[str, Any]:
@@ -180,3 +235,17 @@ class LevelRounds:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.node_policy.load_state_dict(state.get("node_policy", {}))
         self.level_bytes.load_state_dict(state.get("level_bytes", {}))
+
+
+class _MeanAcrossNodes(CenterPolicy):
+    """The mean of the node means: a sharded SUM across nodes (:func:`sum_across_nodes_`) over ``N``."""
+
+    def __init__(self, levels: TwoLevel, bytes_: LevelBytes) -> None:
+        self.levels, self.bytes = levels, bytes_
+        self.nodes = group_size(levels.inter)
+
+    @override
+    def combine(self, out: list[Tensor], ctx: RoundContext) -> dict[str, Any]:
+        sum_across_nodes_(out, self.levels, self.bytes)
+        torch._foreach_div_(out, float(self.nodes))
+        return {}

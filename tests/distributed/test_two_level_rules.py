@@ -168,6 +168,8 @@ def _consensus_and_resume(family: str, stop: int) -> dict[str, list[torch.Tensor
             opt.step()
             algo.step()
             if not resume and step == stop:
+                inter = algo.level_bytes.inter if isinstance(algo, TwoLevelHPSGD) else algo.levels.level_bytes.inter
+                runs["inter_bytes"] = [torch.tensor(inter)]
                 before = parameters_to_vector(net.parameters()).detach().clone()
                 with algo.consensus():
                     runs["consensus"] = [parameters_to_vector(net.parameters()).detach().clone()]
@@ -189,3 +191,9 @@ def test_consensus_is_one_model_and_a_resumed_run_continues_bit_identically(fami
         assert not torch.allclose(expected[0], expected[2], atol=1e-6)  # the nodes did differ there
     for o in out:
         assert torch.equal(o["straight"][0], o["resumed"][0])
+    # each rank of a node sends only its shard across nodes: the node's ranks together send P floats
+    # per cross-node sum (HPSGD: sums launched at merges 2 and 4, steps 5 and 9; Local SGD: round 2, step 4)
+    sums = {"hpsgd": stop // H // 2, "localsgd": 1, "mgrawa": 0}[family]  # HPSGD: merges at steps 3, 5, ...
+    if family != "mgrawa":  # GRAWA's whole-job round is a flat round over all four ranks
+        params = sum(p.numel() for p in _net().parameters())
+        assert int(out[0]["inter_bytes"][0]) + int(out[1]["inter_bytes"][0]) == sums * params * 4
