@@ -86,9 +86,13 @@ class TwoLevelHPSGD:
     # ------------------------------------------------------------------ the recurrence
     def step(self) -> Merge | None:
         """Call after every optimizer step; returns the node merge's metrics when a window closed."""
-        before = self.node.stats.bytes
-        merge = self.node.step()
-        self.level_bytes.intra += self.node.stats.bytes - before
+        node = self.node
+        if node.launched and node.since_launch + 1 >= node.window and self.levels.reaches_across(node.merges):
+            # this step's merge reaches across: put F together now, behind the node's reduction in
+            # flight (waited for by the merge anyway), not behind the one the merge launches next
+            self._wait()
+        with self.level_bytes.counting("intra"):
+            merge = node.step()
         if merge is not None and self.levels.reaches_across(merge.merges - 1):
             self._merge_across()
         return merge
@@ -138,7 +142,8 @@ class TwoLevelHPSGD:
         """
         if not self.node.launched and not self.pending:
             return
-        self.node.finalize()
+        with self.level_bytes.counting("intra"):
+            self.node.finalize()
         self._apply_in_flight()
         self._mean_across_nodes()
         for part in (self.node.global_model, self.base):
