@@ -99,6 +99,11 @@ class HPSGDCheckpoint:
                 buffer policy, or for another model.
         """
         self._wait()
+        if "two_level" in state:
+            raise ValueError(
+                f"HPSGD: the checkpoint was written with inter_node_every={state['two_level']['every']}, "
+                "this run is flat (inter_node_every=None)."
+            )
         merge = state.get("merge", "paper")  # checkpoints older than the merge option: the paper's rule
         if merge != self.merge:
             raise ValueError(
@@ -107,21 +112,21 @@ class HPSGDCheckpoint:
         self.steps, self.merges = int(state["steps"]), int(state["merges"])
         self.since_launch = int(state["since_launch"])
         self.launched, self.first_window = bool(state["launched"]), bool(state["first_window"])
-        _load(self.flat, self.global_model, state["global_model"], "global_model")
+        load_flat(self.flat, self.global_model, state["global_model"], "global_model")
         if self.launched:
-            _load(self.flat, self.in_flight, state["in_flight"], "in_flight")
+            load_flat(self.flat, self.in_flight, state["in_flight"], "in_flight")
         if self._start() is not self.global_model:
-            _load(self.flat, self._start(), state.get("window_start", self.global_tensors()), "window_start")
+            load_flat(self.flat, self._start(), state.get("window_start", self.global_tensors()), "window_start")
         self.outer.buffer = self.flat.zeros_like() if "outer_momentum" in state else []
         if self.outer.buffer:
-            _load(self.flat, self.outer.buffer, state["outer_momentum"], "outer_momentum")
+            load_flat(self.flat, self.outer.buffer, state["outer_momentum"], "outer_momentum")
         if self.codec is not None:  # a checkpoint without compression: nothing left out yet
             torch._foreach_zero_(self.codec.residual)
-            _load(
+            load_flat(
                 self.flat, self.codec.residual, state.get("residual", self.flat.split(self.codec.residual)), "residual"
             )
         if "replica" in state:
-            _load(self.flat, self.replica, state["replica"], "replica")
+            load_flat(self.flat, self.replica, state["replica"], "replica")
         self._load_buffers(state)
 
     def _load_buffers(self: _Parts, state: dict[str, Any]) -> None:
@@ -131,13 +136,14 @@ class HPSGDCheckpoint:
             return
         if "global_buffers" not in state:
             raise ValueError("HPSGD: this run averages buffers (sync_buffers) but the checkpoint did not.")
-        _load(self.flat_buffers, self.global_buffers, state["global_buffers"], "global_buffers")
-        _load(self.flat_buffers, self._buffers_in_flight, state["buffers_in_flight"], "buffers_in_flight")
+        load_flat(self.flat_buffers, self.global_buffers, state["global_buffers"], "global_buffers")
+        load_flat(self.flat_buffers, self._buffers_in_flight, state["buffers_in_flight"], "buffers_in_flight")
         if "replica_buffers" in state:
-            _load(self.flat_buffers, self._buffers(), state["replica_buffers"], "replica_buffers")
+            load_flat(self.flat_buffers, self._buffers(), state["replica_buffers"], "replica_buffers")
 
 
-def _load(flat: FlatTensors, dst: list[Tensor], src: Sequence[Tensor], name: str) -> None:
+def load_flat(flat: FlatTensors, dst: list[Tensor], src: Sequence[Tensor], name: str) -> None:
+    """Copy per-parameter tensors ``src`` into the flat buckets ``dst``, checking they fit this model."""
     views = flat.split(dst)
     if len(src) != len(views) or any(a.shape != b.shape for a, b in zip(src, views, strict=True)):
         raise ValueError(f"HPSGD: checkpoint entry `{name}` does not match this model's parameters.")

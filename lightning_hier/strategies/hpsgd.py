@@ -16,8 +16,10 @@ from typing_extensions import override
 from lightning_hier import _validate as v
 from lightning_hier.algorithms.compression import COMPRESSIONS
 from lightning_hier.algorithms.hpsgd import HPSGD, MERGES, MODES, Merge
+from lightning_hier.algorithms.hpsgd_two_level import TwoLevelHPSGD
 from lightning_hier.strategies._algorithm import AlgorithmStrategy
 from lightning_hier.strategies._buckets import bucket_arguments, check_bucket_options
+from lightning_hier.strategies._two_level import TWO_LEVEL_ARGS, TwoLevelOptions
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -27,7 +29,7 @@ if TYPE_CHECKING:
     from torch.optim import Optimizer
 
 
-class HPSGDStrategy(AlgorithmStrategy[HPSGD]):
+class HPSGDStrategy(TwoLevelOptions, AlgorithmStrategy[HPSGD | TwoLevelHPSGD]):
     """HPSGD: replicas train locally; each window's change is all-reduced behind the next window.
 
     The model is not wrapped in DDP: there is no per-step gradient all-reduce. Every ``window``
@@ -61,6 +63,7 @@ class HPSGDStrategy(AlgorithmStrategy[HPSGD]):
             merge; by default it carries over.
         bucket_size_mb: Size bound of one flat buffer (MiB, >= 0.001): the parameters are views of a few
             buckets, so a very large model is reduced in a few calls, not one per tensor.
+    {two_level}
         **kwargs: See :class:`~lightning_hier.strategies._base.HierStrategy` (``timeout``,
             ``start_method``, ...).
 
@@ -68,7 +71,15 @@ class HPSGDStrategy(AlgorithmStrategy[HPSGD]):
     just closed), ``hpsgd/blocked_s`` (seconds waiting for the previous reduction: ~0 when it
     was hidden), ``hpsgd/bytes`` (bytes launched for this window), ``hpsgd/consensus_distance``
     (``||x - S||`` on this rank), ``hpsgd/merges``, and the running totals ``comm/bytes`` and
-    ``comm/blocked_s``.
+    ``comm/blocked_s``; with ``inter_node_every`` also ``comm/bytes_intra``, ``comm/bytes_inter``
+    and (``intra_node='window'``) ``hpsgd/inter_merges``.
+
+    Two levels (``inter_node_every=m``, ``intra_node='window'``): HPSGD runs unchanged inside each
+    node over ``data_intra``; every ``m``-th merge the node's change since its last cross-node
+    send is SUM-reduced over ``data_inter`` in the background and merged ``m`` windows later
+    (:mod:`lightning_hier.algorithms.hpsgd_two_level`). ``intra_node='step'``: DDP inside the
+    node and flat HPSGD over ``data_inter`` with a window of ``m * window`` steps. Mode ``'poll'``
+    is flat only.
 
     Example:
         >>> import lightning.pytorch as pl
@@ -92,6 +103,8 @@ class HPSGDStrategy(AlgorithmStrategy[HPSGD]):
         sync_buffers: bool = True,
         reset_optimizer_state: bool = False,
         bucket_size_mb: float = 25.0,
+        inter_node_every: int | None = None,
+        intra_node: str = "window",
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -108,15 +121,21 @@ class HPSGDStrategy(AlgorithmStrategy[HPSGD]):
         self.reset_optimizer_state = v.check_bool(owner, "reset_optimizer_state", reset_optimizer_state)
         self.algorithm = None
         self._control_group: dist.ProcessGroup | None = None
+        self._configure_two_level(
+            inter_node_every,
+            intra_node,
+            {"mode": ("poll", "the readiness agreement of mode 'poll' is over one flat group; use mode='fixed'")},
+        )
 
     @override
     def _setup_algorithm(self, trainer: pl.Trainer) -> None:
         optimizer = self._require_single_optimizer()
         module: nn.Module = self.lightning_module  # type: ignore[assignment]
-        self.algorithm = HPSGD(
+        levels = self._levels()
+        node = HPSGD(
             module.parameters(),
-            group=self.groups.data,
-            window=self.window,
+            group=levels.intra if levels is not None else self._periodic_group(),
+            window=self.window * self._period_factor(),
             mode=self.mode,
             merge=self.merge,
             outer_lr=self.outer_lr,
@@ -128,6 +147,7 @@ class HPSGDStrategy(AlgorithmStrategy[HPSGD]):
             optimizer=optimizer,
             reset_optimizer_state=self.reset_optimizer_state,
         )
+        self.algorithm = TwoLevelHPSGD(node, levels) if levels is not None else node
 
     def _poll_group(self) -> dist.ProcessGroup | None:
         """A second data-parallel group for the readiness flag, so it never queues behind the bulk reduction."""
@@ -150,7 +170,9 @@ class HPSGDStrategy(AlgorithmStrategy[HPSGD]):
         return output
 
     def _metrics(self, merge: Merge) -> dict[str, float]:
+        levels = self.algorithm if isinstance(self.algorithm, TwoLevelHPSGD) else None
         return {
+            **(levels.metrics() if levels is not None else self._level_metrics(None)),
             "hpsgd/window": float(merge.window),
             "hpsgd/blocked_s": merge.blocked_s,
             "hpsgd/bytes": float(merge.bytes),
@@ -159,3 +181,6 @@ class HPSGDStrategy(AlgorithmStrategy[HPSGD]):
             "comm/bytes": float(self.comm_stats.bytes),
             "comm/blocked_s": self.comm_stats.blocked_s,
         }
+
+
+HPSGDStrategy.__doc__ = (HPSGDStrategy.__doc__ or "").replace("    {two_level}", TWO_LEVEL_ARGS.format(unit="window"))
