@@ -12,13 +12,13 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.nn.utils import vector_to_parameters
 
 from lightning_hier.algorithms import HPSGD
 from lightning_hier.algorithms.averaging import PeriodicAveraging
 from lightning_hier.algorithms.dbs_compose import SampleWeightedCenter, SampleWindow
 from lightning_hier.testing import run_workers
-from tests.hpsgd_reference import Reference, fixed_merge_steps, params_of
+from tests.dbs_compose_reference import weighted_hpsgd, weighted_localsgd
+from tests.hpsgd_reference import params_of
 
 STEPS, LR = 11, 0.1
 # per-step batch sizes of each rank (a "rebalance" after step 4 and after step 8)
@@ -49,15 +49,6 @@ def _data(sizes: list[list[int]]):
         return torch.randn(n, 5, generator=g), torch.randint(0, 3, (n,), generator=g)
 
     return batch
-
-
-def _windows(sizes: list[list[int]], ends: list[int]) -> list[list[int]]:
-    """Per-rank samples of the windows ending at the 1-based steps ``ends`` (each after the previous)."""
-    out, start = [], 0
-    for end in ends:
-        out.append([sum(step[w] for step in sizes[start:end]) for w in range(len(sizes[0]))])
-        start = end
-    return out
 
 
 # ---------------------------------------------------------------------------------------- ranks
@@ -97,46 +88,7 @@ def _ranks(cases: list[tuple[str, str, dict]]) -> list[Tensor]:
     return [_train(algorithm, SIZES[dist.get_world_size()], **args) for algorithm, _, args in cases]
 
 
-# ---------------------------------------------------------------------------------------- references
-class WeightedHPSGD(Reference):
-    """The HPSGD reference whose global model advances by ``sum_i n_i delta_i / N`` of each window."""
-
-    def __init__(self, windows: list[list[int]], **kwargs: object) -> None:
-        super().__init__(_net, _sgd, _loss, len(windows[0]), **kwargs)  # type: ignore[arg-type]
-        self.windows = list(windows)  # in the order the windows are applied
-
-    def _outer_step(self, sent: list[Tensor]) -> None:
-        counts = self.windows.pop(0)
-        self.S = self.S + sum(n * d for n, d in zip(counts, sent, strict=True)) / sum(counts)
-
-
-def hpsgd_reference(sizes: list[list[int]], window: int, merge: str) -> Tensor:
-    merges = fixed_merge_steps(window, STEPS)
-    ends = [1, *merges] + ([STEPS] if merges[-1] < STEPS else [])
-    ref = WeightedHPSGD(_windows(sizes, ends), merge=merge)
-    return ref.run(_data(sizes), STEPS, merges)[-1]
-
-
-def localsgd_reference(sizes: list[list[int]], tau: int) -> Tensor:
-    """W replicas; every ``tau`` steps and at the end each becomes ``sum_i n_i x_i / N``."""
-    world = len(sizes[0])
-    nets = [_net() for _ in range(world)]
-    opts = [_sgd(n) for n in nets]
-    data, start = _data(sizes), 0
-    for step in range(1, STEPS + 1):
-        for w, (net, opt) in enumerate(zip(nets, opts, strict=True)):
-            opt.zero_grad()
-            _loss(net, data(w, step - 1)).backward()
-            opt.step()
-        if step % tau == 0 or step == STEPS:
-            (counts,) = _windows(sizes[start:step], [step - start])
-            mean = sum(n * params_of(net) for n, net in zip(counts, nets, strict=True)) / sum(counts)
-            for net in nets:
-                vector_to_parameters(mean.clone(), net.parameters())
-            start = step
-    return params_of(nets[0])
-
-
+MODEL = (_net, _sgd, _loss)
 CASES = [
     ("hpsgd", "paper H=2", {"window": 2, "merge": "paper"}),
     ("hpsgd", "eager H=3", {"window": 3, "merge": "eager"}),
@@ -150,9 +102,9 @@ def test_window_changes_weighted_by_samples_equal_the_single_process_simulation(
     sizes = SIZES[world]
     for i, (algorithm, name, args) in enumerate(CASES):
         if algorithm == "hpsgd":
-            expected = hpsgd_reference(sizes, int(args["window"]), str(args["merge"]))
+            expected = weighted_hpsgd(*MODEL, _data(sizes), sizes, int(args["window"]), str(args["merge"]))
         else:
-            expected = localsgd_reference(sizes, int(args["tau"]))
+            expected = weighted_localsgd(*MODEL, _data(sizes), sizes, int(args["tau"]))
         for rank, result in enumerate(results):
             torch.testing.assert_close(result[i], expected, atol=1e-6, rtol=0, msg=f"{name}, rank {rank}")
 
