@@ -103,3 +103,26 @@ def test_shares_follow_speed_when_one_rank_is_slowed(name):
     assert all(0.6 <= s <= 0.9 for s in shares), history
     assert history[-1]["samples_per_s"][0] > 2 * history[-1]["samples_per_s"][1], history
     assert torch.equal(r0["params"], r1["params"])  # one model after fit
+
+
+def _fit_two_nodes(name: str) -> dict[str, Any]:
+    pl.seed_everything(0, verbose=False)
+    module = _conv_classifier()
+    strategy = _strategy(name, rebalance_every=5, warmup_steps=2, timer="cpu")
+    t = trainer(strategy=strategy, devices=2, num_nodes=2, max_epochs=2, limit_val_batches=0)
+    t.callbacks.append(Straggler(ranks=[2, 3], factor=3.0, mode="spin"))  # node 1 is the slow node
+    t.fit(module, datamodule=digits(batch_size=32))  # the global batch of 128 over 4 ranks
+    assert strategy.shares is not None
+    return {"history": strategy.shares.history, "params": flat_params(module), "node": t.node_rank}
+
+
+@pytest.mark.parametrize("name", ["dbs_hpsgd", "dbs_localsgd"])
+def test_two_nodes_with_a_slow_node_give_the_fast_node_the_larger_share(name):
+    # 4 ranks on the 2 cores of this machine (oversubscribed): CPU time keeps the speeds apart
+    out = run_workers(_fit_two_nodes, name, devices=2, num_nodes=2)
+    assert [o["node"] for o in out] == [0, 0, 1, 1]
+    history = out[0]["history"]
+    assert all(o["history"] == history for o in out) and len(history) == 4
+    fast, slow = sum(history[-1]["sizes"][:2]), sum(history[-1]["sizes"][2:])
+    assert fast + slow == 128 and fast >= 1.5 * slow, history
+    assert all(torch.equal(o["params"], out[0]["params"]) for o in out)  # one model after fit
