@@ -90,13 +90,8 @@ class SampleWeighted(DBSShares):
 
     @override
     def _shares_group(self) -> Group:
-        if self.groups.data is None:
-            return None
         if self._speed_group is None:
-            for ranks in self.topology.all_groups("data"):  # a collective: every rank, same order
-                group = dist.new_group(ranks, timeout=self._timeout)
-                if self.global_rank in ranks:
-                    self._speed_group = group
+            self._speed_group = self.topology.build_second_group("data", self.global_rank, self._timeout)
         return self._speed_group
 
     @override
