@@ -126,3 +126,27 @@ def test_two_nodes_with_a_slow_node_give_the_fast_node_the_larger_share(name):
     fast, slow = sum(history[-1]["sizes"][:2]), sum(history[-1]["sizes"][2:])
     assert fast + slow == 128 and fast >= 1.5 * slow, history
     assert all(torch.equal(o["params"], out[0]["params"]) for o in out)  # one model after fit
+
+
+def _fit_hpsgd_options() -> dict[str, Any]:
+    pl.seed_everything(0, verbose=False)
+    module = Classifier(_net(), 10, lr=LR, momentum=0.9, nesterov=True)
+    # 'poll' builds its control group after the speeds' group: every rank in the same order
+    options = {"mode": "poll", "merge": "paper", "compression": "bf16", "outer_momentum": 0.5}
+    strategy = DBSHPSGDStrategy(window=2, rebalance_every=3, warmup_steps=1, timeout=30, **options)
+    t = trainer(strategy=strategy, max_epochs=2, limit_val_batches=0)
+    t.callbacks.append(Straggler(ranks=1, factor=2.0, mode="spin"))
+    x, y = _data()
+    t.fit(module, DataLoader(TensorDataset(x, y), batch_size=12, shuffle=True))
+    assert strategy.shares is not None and strategy.algorithm is not None
+    return {
+        "params": flat_params(module),
+        "rebalances": strategy.shares.rebalances,
+        "merges": strategy.algorithm.merges,
+    }
+
+
+def test_hpsgd_options_compose_with_the_shares():
+    r0, r1 = run_workers(_fit_hpsgd_options, devices=2)
+    assert torch.equal(r0["params"], r1["params"]) and torch.isfinite(r0["params"]).all()
+    assert r0["rebalances"] >= 4 and r0["merges"] >= 4
