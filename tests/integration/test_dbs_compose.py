@@ -98,9 +98,12 @@ def test_shares_follow_speed_when_one_rank_is_slowed(name):
     assert r0["steps"] == r1["steps"] == 22  # 1437 // 128 = 11 steps per epoch, whatever the split
     history = r0["history"]
     assert history == r1["history"] and [h["step"] for h in history] == [7, 12, 17, 22]
-    # rank 1 three times slower: about 3/4 of each global batch to rank 0 once measured (the start: 1/2)
+    # rank 1 three times slower: about 3/4 of each global batch to rank 0 once measured (the start: 1/2).
+    # Measured here: 0.70, 0.76, 0.80, 0.84. The drift past 3:1 is the emulation's: Straggler also
+    # triples rank 1's fixed per-step costs, so the smaller its batch, the slower it is per sample
+    # (the same under `dbs`, tests/integration/test_dbs.py)
     shares = [h["sizes"][0] / 128 for h in history]
-    assert all(0.6 <= s <= 0.9 for s in shares), history
+    assert all(0.6 <= s <= 0.95 for s in shares), history
     assert history[-1]["samples_per_s"][0] > 2 * history[-1]["samples_per_s"][1], history
     assert torch.equal(r0["params"], r1["params"])  # one model after fit
 
