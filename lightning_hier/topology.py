@@ -231,12 +231,20 @@ class Topology:
         assert group is not None
         return group
 
+    def build_second_group(self, dim: Dim, rank: int, timeout: timedelta | None = None) -> dist.ProcessGroup | None:
+        """A new group along ``dim`` for ``rank`` (``None`` when the dimension has size 1), never the world group.
+
+        For small control messages that must not queue behind a bulk collective in flight on the
+        built group (HPSGD's readiness flag, DBS's speeds). A collective call on all ranks.
+        """
+        return self._new_groups(self.all_groups(dim), rank, timeout, reuse_world=False)
+
     def _new_groups(
-        self, all_groups: list[list[int]], rank: int, timeout: timedelta | None
+        self, all_groups: list[list[int]], rank: int, timeout: timedelta | None, reuse_world: bool = True
     ) -> dist.ProcessGroup | None:
         if len(all_groups[0]) == 1:
             return None
-        if len(all_groups) == 1:
+        if len(all_groups) == 1 and reuse_world:
             return dist.group.WORLD
         mine: dist.ProcessGroup | None = None
         for ranks in all_groups:  # every rank must create every group, in the same order

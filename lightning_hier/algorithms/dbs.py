@@ -165,6 +165,7 @@ class DynamicBatchSize:
         self._fresh = True  # the first step after a (re)start carries one-off costs: not measured
         self._window: tuple[float, float] | None = None  # (start time, blocked seconds at start)
         self._window_samples = 0
+        self._window_total = 0  # samples of the step over all ranks (B, or R for the last batch)
         # gradient weight of the step: the share b_r / B (r_r / R for a last, smaller batch) of its
         # first micro-batch with samples; None until one arrives (0.0 if none has any)
         self._window_weight: float | None = None
@@ -210,6 +211,7 @@ class DynamicBatchSize:
             self._window = (self.clock(), self.stats.blocked_s)
         samples, total = self.allocation.consume_share()
         self._window_samples += samples
+        self._window_total += total
         self._window_partial |= total != self.allocation.global_batch
         share = samples / total
         if self._window_weight is None and samples > 0:
@@ -222,6 +224,15 @@ class DynamicBatchSize:
     def step_share(self) -> float:
         """``b_w / B`` of the current step (the weight of this rank's gradient; 0 without samples)."""
         return self._window_weight or 0.0
+
+    @property
+    def step_samples(self) -> tuple[int, int]:
+        """``(n_w, N)``: samples of the current step on this rank and over all ranks (every micro-batch).
+
+        Every rank knows the whole split, so ``N`` needs no communication;
+        :class:`~lightning_hier.algorithms.dbs_compose.SampleWindow` sums them over a window.
+        """
+        return self._window_samples, self._window_total
 
     def loss_scale(self) -> float:
         """Factor for the loss of the current micro-batch before its backward.
@@ -275,7 +286,7 @@ class DynamicBatchSize:
             self.meter.add(self._window_samples, compute, idle)
         self._fresh = False
         self._window = None
-        self._window_samples = 0
+        self._window_samples = self._window_total = 0
         self._window_weight, self._window_partial, self._loss_scale = None, False, 1.0
 
     # ------------------------------------------------------------------ rebalance

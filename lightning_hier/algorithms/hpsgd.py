@@ -181,6 +181,8 @@ class HPSGD(HPSGDCheckpoint):
         self.steps = 0
         self.merges = 0
         self._blocked_mark = 0.0
+        # this rank's factor on the change it sends (DBS shares: W n_r / N, lightning_hier.algorithms.dbs_compose)
+        self.change_weight = 1.0
 
     # ------------------------------------------------------------------ the recurrence
     @property
@@ -287,7 +289,13 @@ class HPSGD(HPSGDCheckpoint):
             torch._foreach_copy_(self._buffers(), self.global_buffers)
 
     def _send(self) -> None:
-        """Launch the background SUM of ``d`` (compressed if asked) and the staged buffers."""
+        """Launch the background SUM of ``d`` (compressed if asked) and the staged buffers.
+
+        Both are first scaled by :attr:`change_weight` when it is not 1 (so the merged change is a
+        weighted mean, ``sum_w c_w d_w / W``); the replica has already restarted from ``d`` unscaled.
+        """
+        if self.change_weight != 1.0:
+            torch._foreach_mul_(self._delta + self._buffers_in_flight, self.change_weight)
         if self.codec is not None:
             self.in_flight = self.codec.encode_(self._delta)
         else:  # d becomes the in-flight buffer; the waited one is the next scratch

@@ -9,7 +9,7 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 if TYPE_CHECKING:
-    from lightning_hier.strategies.dbs import DBSStrategy
+    from lightning_hier.strategies._dbs_shares import DBSShares
 
 
 class DBSCallback(Callback):
@@ -26,14 +26,15 @@ class DBSCallback(Callback):
     - ``dbs/idle_s/rank{r}``: mean seconds per step blocked in the gradient all-reduce, i.e. waiting
       for slower ranks (plus the transfer itself).
 
-    :class:`~lightning_hier.strategies.DBSStrategy` adds one with these defaults when the Trainer has
-    none, so ``Trainer(strategy="dbs")`` works alone; pass your own to change ``log``.
+    Every strategy with DBS shares (``dbs``, ``dbs_async``, ``dbs_hpsgd``, ``dbs_localsgd``) adds one
+    with these defaults when the Trainer has none, so ``Trainer(strategy="dbs")`` works alone; pass
+    your own to change ``log``.
     The batch sampler itself is installed by the strategy (see
     :mod:`lightning_hier.algorithms.dbs_sampler`).
 
     Args:
         log: Log the metrics above through the LightningModule (the report is always kept in
-            ``trainer.strategy.algorithm.history``).
+            ``trainer.strategy.shares.history``).
     """
 
     def __init__(self, log: bool = True) -> None:
@@ -47,8 +48,8 @@ class DBSCallback(Callback):
         report = strategy.rebalance_if_due()
         if report is None or not self.log:
             return
-        assert strategy.algorithm is not None
-        metrics = {"dbs/rebalances": float(strategy.algorithm.rebalances)}
+        assert strategy.shares is not None
+        metrics = {"dbs/rebalances": float(strategy.shares.rebalances)}
         for r, size in enumerate(report["sizes"]):
             metrics[f"dbs/batch_size/rank{r}"] = float(size)
             for key in ("samples_per_s", "compute_s", "idle_s"):
@@ -56,10 +57,13 @@ class DBSCallback(Callback):
         pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
 
 
-def _dbs_strategy(trainer: pl.Trainer) -> DBSStrategy:
-    from lightning_hier.strategies.dbs import DBSStrategy  # the strategy module imports this one
+def _dbs_strategy(trainer: pl.Trainer) -> DBSShares:
+    from lightning_hier.strategies._dbs_shares import DBSShares  # the strategy module imports this one
 
-    if not isinstance(trainer.strategy, DBSStrategy):
+    if not isinstance(trainer.strategy, DBSShares):
         used = type(trainer.strategy).__name__
-        raise TypeError(f"DBSCallback works with strategy='dbs' (DBSStrategy), but the Trainer uses {used}.")
+        raise TypeError(
+            "DBSCallback works with a strategy that has DBS batch shares ('dbs', 'dbs_async', 'dbs_hpsgd', "
+            f"'dbs_localsgd'), but the Trainer uses {used}."
+        )
     return trainer.strategy

@@ -8,6 +8,7 @@ from lightning_hier.strategies._finite import NonFiniteError
 from lightning_hier.strategies.averaging import AveragingStrategy, EasgdStrategy, LocalSGDStrategy, LsgdStrategy
 from lightning_hier.strategies.dbs import DBSStrategy
 from lightning_hier.strategies.dbs_async import AsyncDBSStrategy
+from lightning_hier.strategies.dbs_compose import DBSHPSGDStrategy, DBSLocalSGDStrategy
 from lightning_hier.strategies.decoupled import DecoupledStrategy
 from lightning_hier.strategies.grawa import GrawaStrategy
 from lightning_hier.strategies.grid2d import Grid2DStrategy
@@ -27,6 +28,8 @@ STRATEGIES: tuple[type[HierStrategy], ...] = (
     AsgdStrategy,
     SoftsyncStrategy,
     AsyncDBSStrategy,
+    DBSHPSGDStrategy,
+    DBSLocalSGDStrategy,
 )
 
 
@@ -46,6 +49,8 @@ __all__ = [
     "AsgdStrategy",
     "AveragingStrategy",
     "CheckpointError",
+    "DBSHPSGDStrategy",
+    "DBSLocalSGDStrategy",
     "DBSStrategy",
     "DDPCommHookStrategy",
     "DecoupledStrategy",

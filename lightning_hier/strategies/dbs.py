@@ -32,32 +32,23 @@ per local batch, as with DDP (then averaged with the batch weights, ``sync_buffe
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING, Any
 
-from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
-from lightning.pytorch.trainer.states import RunningStage, TrainerFn
-from torch.utils.data import DataLoader, IterableDataset
 from typing_extensions import override
 
-from lightning_hier import _validate as v
-from lightning_hier.algorithms.dbs import TIMERS, DynamicBatchSize, check_initial_sizes, check_split
-from lightning_hier.algorithms.dbs_sampler import dynamic_batch_loader
-from lightning_hier.callbacks.dbs import DBSCallback
+from lightning_hier.algorithms.dbs import DynamicBatchSize
 from lightning_hier.strategies._base import HierStrategy
 from lightning_hier.strategies._buckets import bucket_arguments, check_bucket_options
-from lightning_hier.strategies._launchers import _ReportingLauncher
+from lightning_hier.strategies._dbs_shares import DBSShares
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Sequence
+    from collections.abc import Callable
 
-    import lightning.pytorch as pl
-    from lightning.pytorch.callbacks import Callback
-    from torch import Tensor, nn
+    from torch import nn
     from torch.optim import Optimizer
 
 
-class DBSStrategy(HierStrategy):
+class DBSStrategy(DBSShares, HierStrategy):
     """Dynamic batch size: a fixed global batch split over the ranks in proportion to their speed.
 
     Every rank keeps the same model (synchronous SGD); a slow rank gets a smaller share of each
@@ -116,211 +107,22 @@ class DBSStrategy(HierStrategy):
 
     strategy_name = "dbs"
 
-    def __init__(
-        self,
-        global_batch_size: int | None = None,
-        rebalance_every: int = 20,
-        ema: float = 0.5,
-        min_batch_size: int = 1,
-        max_batch_size: int | None = None,
-        warmup_steps: int = 5,
-        initial_sizes: Sequence[int] | None = None,
-        timer: str = "wall",
-        sync_buffers: bool = True,
-        bucket_size_mb: float = 25.0,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(**kwargs)
-        owner = type(self).__name__
-        self.global_batch_size = (
-            None if global_batch_size is None else v.check_int(owner, "global_batch_size", global_batch_size, minimum=1)
-        )
-        self.rebalance_every = v.check_int(owner, "rebalance_every", rebalance_every, minimum=1)
-        self.ema = v.check_float(owner, "ema", ema, 0.0, 1.0, high_inclusive=False)
-        self.min_batch_size = v.check_int(owner, "min_batch_size", min_batch_size, minimum=1)
-        self.max_batch_size = (
-            None
-            if max_batch_size is None
-            else v.check_int(owner, "max_batch_size", max_batch_size, minimum=self.min_batch_size)
-        )
-        if self.global_batch_size is not None:
-            v.check_int(owner, "global_batch_size", self.global_batch_size, minimum=self.min_batch_size)
-        self.warmup_steps = v.check_int(owner, "warmup_steps", warmup_steps, minimum=0)
-        self.initial_sizes = (
-            None
-            if initial_sizes is None
-            else check_initial_sizes(
-                owner, initial_sizes, self.global_batch_size, None, self.min_batch_size, self.max_batch_size
-            )
-        )
-        self.timer = v.check_choice(owner, "timer", timer, TIMERS)
-        self.sync_buffers, self.bucket_size_mb = check_bucket_options(owner, sync_buffers, bucket_size_mb)
-        self.algorithm: DynamicBatchSize | None = None
+    def __init__(self, sync_buffers: bool = True, bucket_size_mb: float = 25.0, **kwargs: Any) -> None:
+        super().__init__(**kwargs)  # DBSShares: the share arguments above; then HierStrategy's
+        self.sync_buffers, self.bucket_size_mb = check_bucket_options(type(self).__name__, sync_buffers, bucket_size_mb)
+
+    @property
+    def algorithm(self) -> DynamicBatchSize | None:
+        """The DBS state machine (``None`` until fitting): :attr:`shares`, which also reduces the gradients."""
+        return self.shares
 
     @override
-    def _configure_launcher(self) -> None:
-        super()._configure_launcher()
-        # checked in the main process, before any rank starts
-        if self.initial_sizes is not None:
-            check_initial_sizes(
-                type(self).__name__,
-                self.initial_sizes,
-                None,
-                self.topology.data,
-                self.min_batch_size,
-                self.max_batch_size,
-            )
-        fixed = self._fixed_global_batch()
-        if fixed is not None:
-            self._check_split(*fixed)
-        if isinstance(self._launcher, _SubprocessScriptLauncher):
-            self._launcher = _CheckedScriptLauncher(self, self.cluster_environment, self.num_processes, self.num_nodes)
-        else:
-            self._launcher = self._reporting_launcher(self._start_method, _CheckedLauncher)
-
-    def _fixed_global_batch(self) -> tuple[int, str] | None:
-        """The global batch set by the arguments and where it came from (``None``: from the loader)."""
-        if self.global_batch_size is not None:
-            return self.global_batch_size, f"argument `global_batch_size`={self.global_batch_size}"
-        if self.initial_sizes is not None:
-            total = sum(self.initial_sizes)
-            return total, f"argument `initial_sizes`={self.initial_sizes} (sum {total})"
-        return None
-
-    def _global_batch(self, loader: DataLoader[Any]) -> tuple[int, str]:
-        """The global batch of ``loader`` and a phrase saying where it came from (for messages)."""
-        fixed = self._fixed_global_batch()
-        if fixed is not None:
-            return fixed
-        if loader.batch_size is None:
-            raise ValueError(
-                f"{type(self).__name__}: the training DataLoader has no batch_size (custom batch sampler); "
-                "set `global_batch_size`."
-            )
-        world = self.topology.data
-        total = loader.batch_size * world
-        derived = f"the DataLoader's batch_size {loader.batch_size} x {world} ranks = {total}"
-        return total, f"`global_batch_size`=None gives {derived}"
-
-    def _check_split(self, global_batch: int, source: str) -> None:
-        try:
-            check_split(global_batch, self.topology.data, self.min_batch_size, self.max_batch_size)
-        except ValueError as err:
-            raise ValueError(f"{type(self).__name__}: {source}: {err}") from None
-
-    def _check_training_loader(self, loader: DataLoader[Any]) -> int:
-        """The global batch of ``loader`` after checking it can be split and the dataset holds a step."""
-        global_batch, source = self._global_batch(loader)
-        self._check_split(global_batch, source)
-        if isinstance(loader.dataset, IterableDataset):
-            return global_batch  # rejected with its own message when the loader is rebuilt
-        samples = len(loader.dataset)  # type: ignore[arg-type]
-        drop_last = bool(getattr(loader.batch_sampler, "drop_last", loader.drop_last))
-        if samples == 0 or (drop_last and samples < global_batch):
-            if self.global_batch_size is not None:
-                change = "lower `global_batch_size`"
-            elif self.initial_sizes is not None:
-                change = "lower `initial_sizes`"
-            else:
-                change = "lower the DataLoader's batch_size or set `global_batch_size`"
-            raise ValueError(
-                f"{type(self).__name__}: the training dataset has {samples} samples, fewer than one global batch "
-                f"of {global_batch} ({source}), and the DataLoader has drop_last=True, so no step would run. "
-                f"To train, {change}, or use a DataLoader with drop_last=False (the {samples} samples then form "
-                "one smaller global batch per epoch)."
-                if samples
-                else f"{type(self).__name__}: the training dataset is empty."
-            )
-        return global_batch
-
-    def _check_fit_arguments(self, trainer: pl.Trainer | None, args: tuple[Any, ...]) -> None:
-        """In the main process, before the ranks start: a DataLoader given to ``fit`` is checked."""
-        fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
-        # Trainer.fit launches _fit_impl(model, train_dataloaders, val_dataloaders, datamodule, ...);
-        # a DataModule's loader is only built in the ranks (its hooks may read or download data)
-        if fitting and len(args) > 1 and isinstance(args[1], DataLoader):
-            self._check_training_loader(args[1])
-
-    # ------------------------------------------------------------------ set-up
-    @override
-    def setup(self, trainer: pl.Trainer) -> None:
-        if trainer.state.fn == TrainerFn.FITTING:
-            self.algorithm = None  # a new fit builds a new algorithm (see _build_algorithm)
-        super().setup(trainer)
-
-    @override
-    def _setup_algorithm(self, trainer: pl.Trainer) -> None:
-        self._require_single_optimizer()
-        self._build_algorithm()
-        callbacks: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]
-        if not any(isinstance(c, DBSCallback) for c in callbacks):
-            # first, so checkpoints saved at the end of a batch already hold that step's rebalance
-            callbacks.insert(0, DBSCallback())
-
-    def _build_algorithm(self) -> DynamicBatchSize:
-        """The algorithm, built once per fit: by the training loader when that comes first.
-
-        A learning-rate schedule reads ``trainer.estimated_stepping_batches`` inside
-        ``configure_optimizers``, which makes Lightning build the training loader before the
-        optimizers (and so before ``_setup_algorithm``); the loader still needs the allocation.
-        """
-        if self.algorithm is not None:
-            return self.algorithm
-        module: nn.Module = self.lightning_module  # type: ignore[assignment]
-        self.algorithm = DynamicBatchSize(
-            module.parameters(),
-            group=self.groups.data,
-            rebalance_every=self.rebalance_every,
-            ema=self.ema,
-            min_batch_size=self.min_batch_size,
-            max_batch_size=self.max_batch_size,
-            warmup_steps=self.warmup_steps,
-            initial_sizes=self.initial_sizes,
-            timer=self._clock(),
-            **bucket_arguments(module, self.sync_buffers, self.bucket_size_mb),
-            stats=self.comm_stats,
-        )
-        return self.algorithm
-
-    def _clock(self) -> str:
-        """The timer the algorithm reads (the ``timer`` argument here)."""
-        return self.timer
-
-    @override
-    def process_dataloader(self, dataloader: object) -> object:
-        """Training loader: batches from the strategy's allocation; other stages: unchanged."""
-        module = self.lightning_module
-        stage = module.trainer.state.stage if module is not None and module._trainer is not None else None
-        if stage != RunningStage.TRAINING:
-            return dataloader
-        if not isinstance(dataloader, DataLoader):
-            raise TypeError(
-                f"{type(self).__name__}: the training data must be a torch DataLoader over a map-style dataset, "
-                f"got {type(dataloader).__name__}."
-            )
-        # every rank raises the same error here, before any collective of the fit, so none hangs
-        global_batch = self._check_training_loader(dataloader)
-        allocation = self._build_algorithm().bind(global_batch)
-        return super().process_dataloader(dynamic_batch_loader(dataloader, allocation, seed=_global_seed()))
-
-    # ------------------------------------------------------------------ per step
-    @override
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        super().on_train_batch_start(batch, batch_idx)
-        if self.algorithm is not None:
-            self.algorithm.begin_micro_batch()
-
-    @override
-    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
-        """Backward of the loss scaled by :meth:`DynamicBatchSize.loss_scale` (1.0 but in mixed steps)."""
-        scale = self.algorithm.loss_scale() if self.algorithm is not None else 1.0
-        if scale != 1.0:  # keep the common case bit-identical: no multiplication by 1
-            closure_loss = closure_loss * scale
-        return super().backward(closure_loss, optimizer, *args, **kwargs)
+    def _shares_arguments(self, module: nn.Module) -> dict[str, Any]:
+        return dict(bucket_arguments(module, self.sync_buffers, self.bucket_size_mb))
 
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        algorithm = self.algorithm
+        algorithm = self.shares
         assert algorithm is not None
 
         def closure_and_reduce() -> Any:
@@ -332,49 +134,11 @@ class DBSStrategy(HierStrategy):
         algorithm.end_step()
         return output
 
-    def rebalance_if_due(self) -> dict[str, Any] | None:
-        """Rebalance when a period ended (called by :class:`DBSCallback` after every batch); the report."""
-        if self.algorithm is None or not self.algorithm.due():
-            return None
-        module = self.lightning_module
-        align = module.trainer.accumulate_grad_batches if module is not None and module._trainer else 1
-        return self.algorithm.rebalance(align=align)
-
     # ------------------------------------------------------------------ checkpoints
     @override
     def _algorithm_state(self) -> dict[str, Any]:
-        return self.algorithm.state_dict() if self.algorithm is not None else {}
+        return self._shares_state()
 
     @override
     def _load_algorithm_state(self, state: dict[str, Any]) -> None:
-        if self.algorithm is not None and state:
-            self.algorithm.load_state_dict(state)
-
-
-class _CheckedScriptLauncher(_SubprocessScriptLauncher):
-    """Lightning's popen launcher, checking ``fit``'s training DataLoader before the children start."""
-
-    def __init__(self, strategy: DBSStrategy, *args: Any) -> None:
-        super().__init__(*args)
-        self._dbs = strategy
-
-    @override
-    def launch(self, function: Callable[..., Any], *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
-        self._dbs._check_fit_arguments(trainer, args)
-        return super().launch(function, *args, trainer=trainer, **kwargs)
-
-
-class _CheckedLauncher(_ReportingLauncher):
-    """The spawn/fork launcher, checking ``fit``'s training DataLoader before the children start."""
-
-    @override
-    def launch(self, function: Callable[..., Any], *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
-        strategy = self._strategy
-        assert isinstance(strategy, DBSStrategy)
-        strategy._check_fit_arguments(trainer, args)
-        return super().launch(function, *args, trainer=trainer, **kwargs)
-
-
-def _global_seed() -> int:
-    # the seed Lightning gives its DistributedSampler: the same on every rank (seed_everything sets it)
-    return int(os.environ.get("PL_GLOBAL_SEED", 0))
+        self._load_shares_state(state)

@@ -33,6 +33,8 @@ NAMES = (
     "asgd",
     "softsync",
     "dbs_async",
+    "dbs_hpsgd",
+    "dbs_localsgd",
     "ddp_post_local_sgd",
     "ddp_powersgd",
     "ddp_fp16",

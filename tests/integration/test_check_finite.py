@@ -52,7 +52,20 @@ def _fit(name: str, where: str, check: bool) -> bool:
 
 
 @pytest.mark.parametrize(
-    "name", ["hpsgd", "dbs", "localsgd", "easgd", "lsgd", "mgrawa", "grid2d", "ddp_powersgd", "ddp_post_local_sgd"]
+    "name",
+    [
+        "hpsgd",
+        "dbs",
+        "localsgd",
+        "easgd",
+        "lsgd",
+        "mgrawa",
+        "grid2d",
+        "dbs_hpsgd",
+        "dbs_localsgd",
+        "ddp_powersgd",
+        "ddp_post_local_sgd",
+    ],
 )
 def test_a_nan_loss_on_one_rank_stops_the_run_naming_it(name):
     with pytest.raises(WorkerFailed, match=rf"rank {BAD_RANK} has non-finite loss at global step {BAD_BATCH} ") as err:

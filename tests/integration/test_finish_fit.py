@@ -16,7 +16,15 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
-from lightning_hier import EasgdStrategy, GrawaStrategy, HPSGDStrategy, LocalSGDStrategy, LsgdStrategy
+from lightning_hier import (
+    DBSHPSGDStrategy,
+    DBSLocalSGDStrategy,
+    EasgdStrategy,
+    GrawaStrategy,
+    HPSGDStrategy,
+    LocalSGDStrategy,
+    LsgdStrategy,
+)
 from lightning_hier.models import Classifier, mlp
 from lightning_hier.strategies import HierStrategy, _finish
 from lightning_hier.testing import run_workers
@@ -29,6 +37,8 @@ STRATEGIES: dict[str, Callable[[], HierStrategy]] = {
     "easgd": lambda: EasgdStrategy(tau=5, timeout=30),
     "lsgd": lambda: LsgdStrategy(tau=5, timeout=30),
     "mgrawa": lambda: GrawaStrategy(variant="model", tau=5, timeout=30),
+    "dbs_hpsgd": lambda: DBSHPSGDStrategy(window=3, initial_sizes=[96, 32], timeout=30),
+    "dbs_localsgd": lambda: DBSLocalSGDStrategy(tau=5, initial_sizes=[96, 32], timeout=30),
 }
 
 
