@@ -36,7 +36,7 @@ Pure torch, usable from a plain training loop::
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -52,6 +52,8 @@ from lightning_hier.algorithms.centers import (
     UniformCenter,
 )
 from lightning_hier.algorithms.grawa import grad_norms
+from lightning_hier.algorithms.periodic_schedule import PeriodicSchedule
+from lightning_hier.algorithms.two_level import LevelRounds
 from lightning_hier.comm import CommStats, FlatTensors, all_reduce_mean_, all_reduce_sum_, group_size
 from lightning_hier.comm.collectives import Group
 
@@ -67,38 +69,6 @@ __all__ = [
     "float_buffers",
     "pull_",
 ]
-
-
-class PeriodicSchedule:
-    """Counts optimizer steps and fires every ``tau`` of them.
-
-    Args:
-        tau: Period in optimizer steps (>= 1). May be changed between rounds (a pull schedule).
-    """
-
-    def __init__(self, tau: int) -> None:
-        if tau < 1:
-            raise ValueError(f"PeriodicSchedule: `tau` must be >= 1, got {tau}.")
-        self.tau = tau
-        self.steps = 0
-        self.since_sync = 0
-        self.rounds = 0
-
-    def step(self) -> bool:
-        """Count one optimizer step; True when a synchronisation round is due."""
-        self.steps += 1
-        self.since_sync += 1
-        return self.since_sync >= self.tau
-
-    def synced(self) -> None:
-        self.since_sync = 0
-        self.rounds += 1
-
-    def state_dict(self) -> dict[str, int]:
-        return {"tau": self.tau, "steps": self.steps, "since_sync": self.since_sync, "rounds": self.rounds}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.steps, self.since_sync, self.rounds = state["steps"], state["since_sync"], state["rounds"]
 
 
 def float_buffers(module: nn.Module) -> list[Tensor]:
@@ -129,6 +99,9 @@ class PeriodicAveraging:
             model for BatchNorm statistics); empty to leave them local.
         bucket_bytes: Bucket size bound for the flat buffers (``None``: one per dtype).
         stats: Communication accounting to update.
+        levels: Two-level rounds (:class:`~lightning_hier.algorithms.two_level.LevelRounds`):
+            most rounds inside the node, every ``m``-th across nodes; ``group`` is then the whole
+            data group (the consensus model's). ``None``: every round over ``group``.
 
     ``lam``, ``rho`` and ``schedule.tau`` may be changed between steps (a pull schedule); every
     rank must make the same change.
@@ -145,8 +118,9 @@ class PeriodicAveraging:
         buffers: Iterable[Tensor] = (),
         bucket_bytes: int | None = None,
         stats: CommStats | None = None,
+        levels: LevelRounds | None = None,
     ) -> None:
-        self.group = group
+        self.group, self.levels = group, levels
         self.world = group_size(group)
         self.rank = 0 if group is None else dist.get_rank(group)
         self.policy = policy
@@ -161,6 +135,7 @@ class PeriodicAveraging:
         # the replicas start equal, so the initial center is the initial model
         self.center: list[Tensor] | None = self.flat.clone() if policy.keeps_center or rho > 0 else None
         self._replicas_equal = True  # until the first local step
+        self._node_only = False  # the last round was inside the node only (two levels): nodes differ
 
     # ------------------------------------------------------------------ per step
     def observe(self, loss: Tensor) -> None:
@@ -190,8 +165,10 @@ class PeriodicAveraging:
         """Run one round now (a collective on every rank of the group)."""
         x = self.flat.buckets
         c = self.flat.clone()
-        fields = self.policy.combine(c, self._context(fresh=True, norms=norms, lam=self.lam))
-        distance = self._consensus_distance(x, c)
+        index = self.schedule.rounds
+        fields = self._combine(c, fresh=True, norms=norms, index=index, lam=self.lam)
+        node_only = self.levels is not None and not self.levels.levels.reaches_across(index)
+        distance = self._consensus_distance(x, c, self.levels.levels.intra if self.levels and node_only else self.group)
         target = self.center if self.policy.elastic and self.center is not None else c
         pull_(x, target, self.lam)
         if self.policy.elastic and self.center is not None:
@@ -202,8 +179,10 @@ class PeriodicAveraging:
             self.center = None
         lock_step = self.policy.lock_step
         if self.flat_buffers is not None and lock_step:  # asynchronous rounds average buffers at the consensus
-            all_reduce_mean_(self.flat_buffers.buckets, self.group, self.stats)
-        self._replicas_equal = lock_step and self.lam == 1.0 and not self.policy.elastic  # every replica is now c
+            self._average_buffers(self.flat_buffers.buckets, index)
+        # every replica is now c, unless the round stayed inside the node
+        self._replicas_equal = lock_step and self.lam == 1.0 and not self.policy.elastic and not node_only
+        self._node_only = node_only
         report = RoundReport(
             round=self.schedule.rounds,
             step=self.schedule.steps,
@@ -217,16 +196,48 @@ class PeriodicAveraging:
         return report
 
     def _context(self, fresh: bool, norms: Callable[[], Tensor] | None = None, lam: float = 0.0) -> RoundContext:
-        probe = norms if norms is not None else (lambda: grad_norms(self.flat.tensors))
-        return RoundContext(self.group, self.world, self.rank, self.stats, self.flat, fresh, probe, lam)
+        return self._context_in(self.group, fresh, norms, lam)
 
-    def _consensus_distance(self, x: list[Tensor], c: list[Tensor]) -> float:
+    def _context_in(
+        self, group: Group, fresh: bool, norms: Callable[[], Tensor] | None = None, lam: float = 0.0
+    ) -> RoundContext:
+        probe = norms if norms is not None else (lambda: grad_norms(self.flat.tensors))
+        rank = self.rank if group is self.group else dist.get_rank(group) if group is not None else 0
+        return RoundContext(group, group_size(group), rank, self.stats, self.flat, fresh, probe, lam)
+
+    def _combine(
+        self,
+        c: list[Tensor],
+        fresh: bool,
+        norms: Callable[[], Tensor] | None = None,
+        index: int | None = None,
+        lam: float = 0.0,
+    ) -> dict[str, Any]:
+        """``c`` <- the round's combination, over ``group`` or level by level (round ``index``; None: whole job)."""
+        if self.levels is None:
+            return self.policy.combine(c, self._context(fresh, norms, lam))
+        fields: dict[str, Any] = {}
+        for policy, group, level in self.levels.stages(self.policy, self.group, index):
+            with self.levels.level_bytes.counting(level) if level else nullcontext():
+                fields = policy.combine(c, self._context_in(group, fresh, norms, lam))
+        return fields
+
+    def _average_buffers(self, buffers: list[Tensor], index: int | None = None) -> None:
+        """Mean of ``buffers`` over the round's groups in turn (the whole job when ``index`` is None)."""
+        if self.levels is None:
+            all_reduce_mean_(buffers, self.group, self.stats)
+            return
+        for _, group, level in self.levels.stages(self.policy, self.group, index):
+            with self.levels.level_bytes.counting(level or "inter"):
+                all_reduce_mean_(buffers, group, self.stats)
+
+    def _consensus_distance(self, x: list[Tensor], c: list[Tensor], group: Group) -> float:
         norms = torch._foreach_norm(torch._foreach_sub(x, c))
         total = torch.stack(norms).double().pow(2).sum().reshape(1)
         if not self.policy.lock_step:  # an asynchronous round is this rank's alone: its own distance
             return float(total.sqrt())
-        all_reduce_sum_([total], self.group, self.stats)
-        return float(total.div(self.world).sqrt())
+        all_reduce_sum_([total], group, self.stats)
+        return float(total.div(group_size(group)).sqrt())
 
     # ------------------------------------------------------------------ consensus model
     @torch.no_grad()
@@ -240,7 +251,7 @@ class PeriodicAveraging:
             return c
         if self.policy.elastic:
             return self.center
-        if self.schedule.since_sync == 0:
+        if self.schedule.since_sync == 0 and not self._node_only:
             if self._replicas_equal:
                 return None
             if self.center is not None:
@@ -250,17 +261,17 @@ class PeriodicAveraging:
         if self.group is None:
             return None
         c = self.flat.clone()
-        self.policy.combine(c, self._context(fresh=False))
+        self._combine(c, fresh=False)
         return c
 
     @torch.no_grad()
     def _consensus_buffers(self) -> list[Tensor] | None:
         # buffers were averaged by the last round (lock-step) or the last consensus (finalize)
         synced = self.schedule.since_sync == 0 and (self.policy.lock_step or self._replicas_equal)
-        if self.flat_buffers is None or synced or self.group is None:
+        if self.flat_buffers is None or (synced and not self._node_only) or self.group is None:
             return None
         mean = self.flat_buffers.clone()
-        all_reduce_mean_(mean, self.group, self.stats)
+        self._average_buffers(mean)
         return mean
 
     def _consensus_swaps(self) -> list[tuple[FlatTensors, list[Tensor]]]:
@@ -315,7 +326,7 @@ class PeriodicAveraging:
         """
         if self.schedule.since_sync == 0 and self._replicas_equal:
             return  # nothing trained since the replicas were last made equal
-        partial = self.schedule.since_sync > 0
+        partial = self.schedule.since_sync > 0 or self._node_only  # two levels: the nodes still differ
         if not self.policy.lock_step:
             if partial:  # the final report: the server records the trained replica as it is (no pull)
                 self.policy.combine(self.flat.clone(), self._context(fresh=True, norms=norms))
@@ -328,17 +339,17 @@ class PeriodicAveraging:
             all_reduce_mean_(c, self.group, self.stats)
         elif partial:
             c = self.flat.clone()
-            self.policy.combine(c, self._context(fresh=True, norms=norms))
+            self._combine(c, fresh=True, norms=norms)
         else:
             c = self.center  # right after a round with lam < 1: the replicas combine to the stored c
         if c is not None:
             self.flat.copy_(c)
         if (partial or not self.policy.lock_step) and self.flat_buffers is not None:
-            all_reduce_mean_(self.flat_buffers.buckets, self.group, self.stats)
+            self._average_buffers(self.flat_buffers.buckets)
         if self.policy.keeps_center or self.rho > 0:
             self.center = self.flat.clone()
         self.schedule.since_sync = 0
-        self._replicas_equal = True
+        self._replicas_equal, self._node_only = True, False
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -347,6 +358,7 @@ class PeriodicAveraging:
             "center": None if self.center is None else [t.detach().clone() for t in self.center],
             "replicas_equal": self._replicas_equal,
             "policy": self.policy.state_dict(),
+            **({"levels": self.levels.state_dict(), "node_only": self._node_only} if self.levels else {}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -356,6 +368,9 @@ class PeriodicAveraging:
         self.center = None if saved is None else [t.to(b.device, b.dtype) for t, b in zip(saved, buckets, strict=True)]
         self._replicas_equal = bool(state.get("replicas_equal", self.schedule.since_sync == 0))
         self.policy.load_state_dict(state.get("policy", {}))
+        if self.levels is not None:
+            self.levels.load_state_dict(state.get("levels", {}))
+            self._node_only = bool(state.get("node_only", False))
 
 
 class LocalSGD(PeriodicAveraging):

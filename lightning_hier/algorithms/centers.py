@@ -127,6 +127,10 @@ class CenterPolicy:
     """Every rank takes part in every round (collectives); False: a rank's round is its own exchange
     with a parameter server, and only the consensus model (validation, saving, end of fit) is collective."""
 
+    mean_of_means: ClassVar[bool] = False
+    """``c`` is the plain mean of the replicas, so a two-level round may take the mean of the node
+    means (:class:`~lightning_hier.algorithms.two_level.LevelRounds`)."""
+
     def default_lam(self, world: int) -> float:
         return 1.0
 
@@ -153,6 +157,7 @@ class UniformCenter(CenterPolicy):
     """Local SGD: ``c`` is the uniform mean and the replicas are replaced by it (``lam = 1``)."""
 
     keeps_center = False  # right after a round every replica *is* the center: no copy to keep
+    mean_of_means = True
 
 
 class ElasticCenter(CenterPolicy):

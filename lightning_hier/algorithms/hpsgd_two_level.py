@@ -11,7 +11,12 @@ change ``D`` its node sent last. At every ``m``-th merge of the node::
     G   <- G + F / N                       # N nodes
     S_n <- S_n + (F / N - D)               # the node's unsent changes now sit on the new G
     x   <- x + (F / N - D);  V <- V + (F / N - D)   # the replica and its window start, likewise
-    D   <- S_n - G;  launch SUM(D) over data_inter   # behind the next m windows
+    D   <- S_n - G;  launch SUM(D) across nodes      # behind the next m windows
+
+``D`` is equal on the node's ranks, so each of the node's ``d'`` ranks reduces only its
+``1 / d'`` shard of it over its ``data_inter`` group, and when the sum is waited for the node
+puts the shards together with a SUM over ``data_intra`` (the fast link): the node sends the
+model once across nodes, not ``d'`` times (:func:`~lightning_hier.algorithms.two_level.launch_across_nodes`).
 
 The shift ``F / N - D`` moves ``S_n``, the replica and its window start together, so the
 window's change ``x - V`` and the intra reduction in flight are untouched: the intra recurrence
@@ -21,7 +26,7 @@ of compute to hide behind, where flat HPSGD gives one.
 
 The consensus model (validation, the checkpoint's weights) is the mean over nodes of every
 node's HPSGD consensus (``mean_n C_n``; ``G`` plus the in-flight ``D`` plus the unsent changes
-cancel out of it), one blocking mean over ``data_inter``. At the end of fit each node finishes
+cancel out of it), one blocking sharded mean across nodes. At the end of fit each node finishes
 its HPSGD (every replica becomes ``S_n``), and the nodes' models are averaged over
 ``data_inter``, blocking: every rank then holds the same model, as after flat HPSGD.
 
@@ -41,8 +46,14 @@ from torch import Tensor
 
 from lightning_hier.algorithms.hpsgd import HPSGD, Merge
 from lightning_hier.algorithms.hpsgd_state import load_flat
-from lightning_hier.algorithms.two_level import LevelBytes, TwoLevel
-from lightning_hier.comm import all_reduce_mean_, all_reduce_sum_async, group_size, wait_all
+from lightning_hier.algorithms.two_level import (
+    LevelBytes,
+    TwoLevel,
+    complete_across_nodes_,
+    launch_across_nodes,
+    sum_across_nodes_,
+)
+from lightning_hier.comm import group_size, wait_all
 
 
 class TwoLevelHPSGD:
@@ -75,9 +86,13 @@ class TwoLevelHPSGD:
     # ------------------------------------------------------------------ the recurrence
     def step(self) -> Merge | None:
         """Call after every optimizer step; returns the node merge's metrics when a window closed."""
-        before = self.node.stats.bytes
-        merge = self.node.step()
-        self.level_bytes.intra += self.node.stats.bytes - before
+        node = self.node
+        if node.launched and node.since_launch + 1 >= node.window and self.levels.reaches_across(node.merges):
+            # this step's merge reaches across: put F together now, behind the node's reduction in
+            # flight (waited for by the merge anyway), not behind the one the merge launches next
+            self._wait()
+        with self.level_bytes.counting("intra"):
+            merge = node.step()
         if merge is not None and self.levels.reaches_across(merge.merges - 1):
             self._merge_across()
         return merge
@@ -87,13 +102,15 @@ class TwoLevelHPSGD:
         self._apply_in_flight()
         torch._foreach_copy_(self.sent, torch._foreach_sub(self.node.global_model, self.base))  # D = S_n - G
         torch._foreach_copy_(self.in_flight, self.sent)
-        with self.level_bytes.counting("inter"):
-            self._works = all_reduce_sum_async(self.in_flight, self.levels.inter, self.node.stats)
+        self._works = launch_across_nodes(self.in_flight, self.levels, self.level_bytes)
         self.pending = True
 
     def _wait(self) -> None:
-        wait_all(self._works, self.node.stats)
-        self._works = []
+        """Wait for the cross-node SUM in flight; then ``F`` is whole on every rank (the only place it becomes so)."""
+        if self._works:
+            wait_all(self._works, self.node.stats)
+            self._works = []
+            complete_across_nodes_(self.in_flight, self.levels, self.level_bytes)
 
     def _apply_in_flight(self) -> None:
         """Wait for the pending SUM; ``G += F / N`` and shift ``S_n``, ``x`` and ``V`` by ``F / N - D``."""
@@ -125,12 +142,10 @@ class TwoLevelHPSGD:
         """
         if not self.node.launched and not self.pending:
             return
-        self.node.finalize()
+        with self.level_bytes.counting("intra"):
+            self.node.finalize()
         self._apply_in_flight()
-        with self.level_bytes.counting("inter"):
-            all_reduce_mean_(self.node.replica, self.levels.inter, self.node.stats)
-            if self.node.flat_buffers is not None:
-                all_reduce_mean_(self.node._buffers(), self.levels.inter, self.node.stats)
+        self._mean_across_nodes()
         for part in (self.node.global_model, self.base):
             torch._foreach_copy_(part, self.node.replica)
         if self.node._own_start is not None:
@@ -142,11 +157,14 @@ class TwoLevelHPSGD:
     def consensus(self) -> Iterator[None]:
         """Hold ``mean_n C_n`` (the nodes' HPSGD consensus models, averaged across nodes) while inside."""
         with self.node.consensus(), torch.no_grad():
-            with self.level_bytes.counting("inter"):
-                all_reduce_mean_(self.node.replica, self.levels.inter, self.node.stats)
-                if self.node.flat_buffers is not None:
-                    all_reduce_mean_(self.node._buffers(), self.levels.inter, self.node.stats)
+            self._mean_across_nodes()
             yield
+
+    def _mean_across_nodes(self) -> None:
+        """The replica and buffers (equal on the node's ranks) become their mean over nodes (blocking)."""
+        tensors = self.node.replica + self.node._buffers()
+        sum_across_nodes_(tensors, self.levels, self.level_bytes)
+        torch._foreach_div_(tensors, float(self.nodes))
 
     def metrics(self) -> dict[str, float]:
         """Per-level bytes and the cross-node merges so far."""
@@ -184,7 +202,7 @@ class TwoLevelHPSGD:
                 f"HPSGD: the checkpoint was written with {written}, this run uses inter_node_every={self.levels.every}."
             )
         self._wait()
-        self.node.load_state_dict(state)
+        self.node.load_state_dict({k: v for k, v in state.items() if k != "two_level"})
         for name in ("base", "sent", "in_flight"):
             load_flat(self.node.flat, getattr(self, name), mine[name], name)
         self.pending, self.inter_merges = bool(mine["pending"]), int(mine["inter_merges"])

@@ -24,15 +24,18 @@ family's rounds are in :mod:`lightning_hier.algorithms.averaging`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
+from typing_extensions import override
 
-from lightning_hier.comm import CommStats, all_reduce_mean_
+from lightning_hier.algorithms.centers import CenterPolicy, RoundContext
+from lightning_hier.comm import CommStats, all_reduce_mean_, all_reduce_sum_, all_reduce_sum_async, group_size, wait_all
 from lightning_hier.comm.collectives import Group
 
 IntraNode = Literal["window", "step"]
@@ -75,9 +78,7 @@ def two_level_problem(
         layout_problem: :meth:`Topology.two_level_problem`'s answer (why the data group cannot split).
     """
     if inter_node_every is None:
-        if intra_node != "window":
-            return f"intra_node={intra_node!r} needs inter_node_every (an integer >= 1): it is a two-level option"
-        return None
+        return None if intra_node == "window" else f"intra_node={intra_node!r} needs inter_node_every"
     if num_nodes < 2:
         return f"two-level synchronisation needs num_nodes > 1, the Trainer has num_nodes={num_nodes}"
     if layout_problem:
@@ -100,6 +101,53 @@ def average_gradients_(params: Iterable[Tensor], group: Group, stats: CommStats 
             p.grad = torch.zeros_like(p)
         grads.append(p.grad)
     all_reduce_mean_(grads, group, stats)
+
+
+def _chunks(tensor: Tensor, intra: Group) -> tuple[Tensor, ...]:
+    return tensor.reshape(-1).tensor_split(group_size(intra))  # views: the tensors are contiguous
+
+
+def node_shard(tensors: Sequence[Tensor], intra: Group) -> list[Tensor]:
+    """This rank's share of every tensor: chunk ``i`` of ``d'``, ``i`` its index in ``data_intra`` (views).
+
+    Empty chunks are left out; they are empty on the same ranks of every node.
+    """
+    index = 0 if intra is None else dist.get_rank(intra)
+    return [c for t in tensors if (c := _chunks(t, intra)[index]).numel()]
+
+
+def launch_across_nodes(tensors: Sequence[Tensor], levels: TwoLevel, bytes_: LevelBytes) -> list[dist.Work]:
+    """Start the SUM across nodes of ``tensors``, which are equal on the ranks of a node.
+
+    Each of the node's ``d'`` ranks reduces only its shard over its ``data_inter`` group, so the
+    node sends the model once across the slow link, not ``d'`` times. Finish with
+    :func:`complete_across_nodes_` after waiting for the returned handles.
+    """
+    with bytes_.counting("inter"):
+        return all_reduce_sum_async(node_shard(tensors, levels.intra), levels.inter, bytes_.stats)
+
+
+def complete_across_nodes_(tensors: Sequence[Tensor], levels: TwoLevel, bytes_: LevelBytes) -> None:
+    """Once the shard sums are done: every rank's ``tensors`` become the whole sum (a SUM over ``data_intra``).
+
+    The other ranks' shards are zeroed first, so the node's SUM gathers the shards exactly.
+    """
+    if levels.intra is None:
+        return
+    index = dist.get_rank(levels.intra)
+    with torch.no_grad():
+        for t in tensors:
+            for j, chunk in enumerate(_chunks(t, levels.intra)):
+                if j != index:
+                    chunk.zero_()
+    with bytes_.counting("intra"):
+        all_reduce_sum_(tensors, levels.intra, bytes_.stats)
+
+
+def sum_across_nodes_(tensors: Sequence[Tensor], levels: TwoLevel, bytes_: LevelBytes) -> None:
+    """Blocking :func:`launch_across_nodes` and :func:`complete_across_nodes_`."""
+    wait_all(launch_across_nodes(tensors, levels, bytes_), bytes_.stats)
+    complete_across_nodes_(tensors, levels, bytes_)
 
 
 @dataclass
@@ -136,3 +184,68 @@ class LevelBytes:
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.intra, self.inter = int(state.get("intra", 0)), int(state.get("inter", 0))
+
+
+class LevelRounds:
+    """The two-level rounds of periodic averaging (Local SGD, GRAWA): which policy runs over which group.
+
+    Round ``k`` (0-based) of :class:`~lightning_hier.algorithms.averaging.PeriodicAveraging`:
+
+    - not an ``m``-th round: the *node policy* combines the node's replicas over ``data_intra``
+      (GRAWA: the node's center, weighted by inverse gradient norms as in a flat round);
+    - every ``m``-th round, a policy that is a plain mean (:attr:`CenterPolicy.mean_of_means`,
+      Local SGD): the node's mean over ``data_intra``, then the mean of the node means over
+      ``data_inter`` (the global mean, with only ``data_inter`` traffic across nodes);
+    - every ``m``-th round, any other policy (GRAWA): one round of the *whole-job policy* over the
+      whole data group, exactly a flat round.
+
+    The node policy and the whole-job policy are separate objects, so a stateful policy keeps
+    one state per level (GRAWA: the norm EMA of the node rounds, and that of the whole-job
+    rounds, each bias-corrected over its own rounds). The consensus model, the final round of a
+    fit and the rounds after a resume use the whole-job level.
+
+    Args:
+        levels: ``data_intra``, ``data_inter`` and ``m``.
+        node_policy: The policy of the node rounds (a new instance of the whole-job policy's class).
+        stats: The shared accounting; bytes are also counted per level in :attr:`level_bytes`.
+    """
+
+    def __init__(self, levels: TwoLevel, node_policy: CenterPolicy, stats: CommStats) -> None:
+        self.levels, self.node_policy = levels, node_policy
+        self.level_bytes = LevelBytes(stats)
+        self._across = _MeanAcrossNodes(levels, self.level_bytes)
+
+    def stages(
+        self, policy: CenterPolicy, group: Group, index: int | None
+    ) -> list[tuple[CenterPolicy, Group, Level | None]]:
+        """``(policy, group, level)`` in order for round ``index`` (``None``: a whole-job round).
+
+        ``level`` is ``None`` where the stage counts its bytes per level itself.
+        """
+        intra: tuple[CenterPolicy, Group, Level | None] = (self.node_policy, self.levels.intra, "intra")
+        if index is not None and not self.levels.reaches_across(index):
+            return [intra]
+        if policy.mean_of_means:
+            return [intra, (self._across, self.levels.inter, None)]
+        return [(policy, group, "inter")]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"node_policy": self.node_policy.state_dict(), "level_bytes": self.level_bytes.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.node_policy.load_state_dict(state.get("node_policy", {}))
+        self.level_bytes.load_state_dict(state.get("level_bytes", {}))
+
+
+class _MeanAcrossNodes(CenterPolicy):
+    """The mean of the node means: a sharded SUM across nodes (:func:`sum_across_nodes_`) over ``N``."""
+
+    def __init__(self, levels: TwoLevel, bytes_: LevelBytes) -> None:
+        self.levels, self.bytes = levels, bytes_
+        self.nodes = group_size(levels.inter)
+
+    @override
+    def combine(self, out: list[Tensor], ctx: RoundContext) -> dict[str, Any]:
+        sum_across_nodes_(out, self.levels, self.bytes)
+        torch._foreach_div_(out, float(self.nodes))
+        return {}

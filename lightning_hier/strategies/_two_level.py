@@ -39,7 +39,11 @@ class TwoLevelOptions(HierStrategy):
     _not_with_two_level: dict[str, tuple[Any, str]]
 
     def _configure_two_level(
-        self, inter_node_every: int | None, intra_node: str, not_with: dict[str, tuple[Any, str]] | None = None
+        self,
+        inter_node_every: int | None,
+        intra_node: str,
+        not_with: dict[str, tuple[Any, str]] | None = None,
+        unsupported: str | None = None,
     ) -> None:
         """Validate and keep the arguments.
 
@@ -48,6 +52,7 @@ class TwoLevelOptions(HierStrategy):
             intra_node: ``'window'`` or ``'step'``.
             not_with: Arguments two-level synchronisation rejects: ``name -> (value, reason)``,
                 rejected when the strategy's argument ``name`` equals ``value``.
+            unsupported: Why this strategy offers no two-level rule at all (``None``: it does).
         """
         owner = type(self).__name__
         if inter_node_every is not None:
@@ -56,10 +61,12 @@ class TwoLevelOptions(HierStrategy):
         self.intra_node = v.check_choice(owner, "intra_node", intra_node, INTRA_NODE)
         if inter_node_every is None and intra_node != "window":
             raise ValueError(
-                f"{owner}: argument `intra_node`={intra_node!r} needs `inter_node_every` (an integer >= 1): "
-                "it only applies to two-level synchronisation."
+                f"{owner}: argument `intra_node` must be 'window' without `inter_node_every`, got {intra_node!r}: "
+                "'step' (DDP inside the node) is a two-level option."
             )
         self._intra_bytes = LevelBytes(self.comm_stats)
+        if inter_node_every is not None and unsupported:
+            raise ValueError(f"{owner}: argument `inter_node_every`={inter_node_every} is not offered: {unsupported}.")
         if inter_node_every is not None:
             for name, (value, reason) in (not_with or {}).items():
                 if getattr(self, name) == value:

@@ -28,10 +28,12 @@ from typing_extensions import override
 from lightning_hier import _validate as v
 from lightning_hier.algorithms.averaging import PeriodicAveraging
 from lightning_hier.algorithms.centers import CenterPolicy, ElasticCenter, LeaderCenter, RoundReport, UniformCenter
+from lightning_hier.algorithms.two_level import LevelRounds
 from lightning_hier.callbacks.pull import PullToCenter
 from lightning_hier.strategies._algorithm import AlgorithmStrategy
 from lightning_hier.strategies._buckets import bucket_arguments, check_bucket_options
 from lightning_hier.strategies._finite import loss_of
+from lightning_hier.strategies._two_level import TWO_LEVEL_ARGS, TwoLevelOptions
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -39,7 +41,7 @@ if TYPE_CHECKING:
     from torch.optim import Optimizer
 
 
-class AveragingStrategy(AlgorithmStrategy[PeriodicAveraging]):
+class AveragingStrategy(TwoLevelOptions, AlgorithmStrategy[PeriodicAveraging]):
     """Shared adapter of the averaging strategies (not registered itself).
 
     Subclasses validate their arguments, call :meth:`_configure` and implement :meth:`_policy`.
@@ -58,8 +60,15 @@ class AveragingStrategy(AlgorithmStrategy[PeriodicAveraging]):
         bucket_size_mb: float,
         lam_name: str = "lam",
         lam_may_be_none: bool = False,
+        inter_node_every: int | None = None,
+        intra_node: str = "window",
+        not_with: dict[str, tuple[Any, str]] | None = None,
+        unsupported: str | None = None,
     ) -> None:
-        """Validate and keep the shared arguments; ``lam`` may be ``None`` only where documented (EASGD's alpha)."""
+        """Validate and keep the shared arguments; ``lam`` may be ``None`` only where documented (EASGD's alpha).
+
+        ``not_with``, ``unsupported``: what two-level synchronisation rejects (see :class:`TwoLevelOptions`).
+        """
         owner = type(self).__name__
         self.tau = v.check_int(owner, "tau", tau, minimum=1)
         if lam is None and lam_may_be_none:
@@ -70,6 +79,7 @@ class AveragingStrategy(AlgorithmStrategy[PeriodicAveraging]):
         self.sync_buffers, self.bucket_size_mb = check_bucket_options(owner, sync_buffers, bucket_size_mb)
         self._step_args: tuple[tuple[Any, ...], dict[str, Any]] | None = None
         self._base_lam = 1.0
+        self._configure_two_level(inter_node_every, intra_node, not_with, unsupported)
 
     def _policy(self) -> CenterPolicy:
         """How a round combines the replicas."""
@@ -85,15 +95,17 @@ class AveragingStrategy(AlgorithmStrategy[PeriodicAveraging]):
         self._require_single_optimizer()
         module: nn.Module = self.lightning_module  # type: ignore[assignment]
         self.pull = _pull_callback(trainer)
+        levels = self._levels()
         self.algorithm = PeriodicAveraging(
             module.parameters(),
-            group=self.groups.data,
+            group=self._periodic_group(),
             policy=self._policy(),
-            tau=self.tau,
+            tau=self.tau * self._period_factor(),
             lam=self.lam,
             rho=self.rho,
             **bucket_arguments(module, self.sync_buffers, self.bucket_size_mb),
             stats=self.comm_stats,
+            levels=LevelRounds(levels, self._policy(), self.comm_stats) if levels is not None else None,
         )
         self._base_lam = self.algorithm.lam
 
@@ -122,6 +134,10 @@ class AveragingStrategy(AlgorithmStrategy[PeriodicAveraging]):
         assert module is not None
         trainer = module.trainer
         metrics = pull.on_round(trainer, module, report)
+        if self.two_level and self.algorithm is not None:
+            levels = self.algorithm.levels
+            metrics.update(self._level_metrics(levels.level_bytes if levels is not None else None))
+            metrics["avg/across_nodes"] = float(not self.algorithm._node_only)
         # rounds are rare and seldom fall on Lightning's log_every_n_steps: write each one itself
         self._log(metrics, logger=not pull.log_every_round)
         if pull.log_every_round and trainer.is_global_zero:
@@ -133,7 +149,8 @@ class AveragingStrategy(AlgorithmStrategy[PeriodicAveraging]):
         lam = pull.lam_at(schedule.rounds, self._base_lam)
         algorithm.lam = v.check_float(owner, "lam", lam, 0.0, 1.0, low_inclusive=False)
         algorithm.rho = v.check_float(owner, "rho", pull.rho_at(schedule.steps, self.rho), 0.0, 1.0)
-        schedule.tau = v.check_int(owner, "tau", pull.tau_at(schedule.rounds, self.tau), minimum=1)
+        tau = v.check_int(owner, "tau", pull.tau_at(schedule.rounds, self.tau), minimum=1)
+        schedule.tau = tau * self._period_factor()  # intra_node='step': the rule runs every m periods
 
     @override
     def _finalize_algorithm(self) -> None:
@@ -150,8 +167,14 @@ def _pull_callback(trainer: pl.Trainer) -> PullToCenter:
     return found[0] if found else PullToCenter()
 
 
+_NO_TWO_LEVEL = (
+    "the method keeps {what} for one flat group, and a two-level version (one per node plus one "
+    "across nodes) is not defined by its paper; two-level synchronisation is offered for localsgd and mgrawa/lgrawa"
+)
+
 _COMMON_ARGS = """        sync_buffers: Average floating-point buffers (BatchNorm statistics) uniformly at every round.
         bucket_size_mb: Size bound of the flat buffers reduced in one call (MiB, >= 0.001).
+    {two_level}
         **kwargs: See :class:`~lightning_hier.strategies._base.HierStrategy` (``timeout``,
             ``start_method``, ...)."""
 
@@ -174,9 +197,19 @@ class LocalSGDStrategy(AveragingStrategy):
 
     strategy_name = "localsgd"
 
-    def __init__(self, tau: int = 8, sync_buffers: bool = True, bucket_size_mb: float = 25.0, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        tau: int = 8,
+        sync_buffers: bool = True,
+        bucket_size_mb: float = 25.0,
+        inter_node_every: int | None = None,
+        intra_node: str = "window",
+        **kwargs: Any,
+    ) -> None:
         super().__init__(**kwargs)
-        self._configure(tau, 1.0, 0.0, sync_buffers, bucket_size_mb)
+        self._configure(
+            tau, 1.0, 0.0, sync_buffers, bucket_size_mb, inter_node_every=inter_node_every, intra_node=intra_node
+        )
 
     @override
     def _policy(self) -> CenterPolicy:
@@ -214,11 +247,24 @@ class EasgdStrategy(AveragingStrategy):
         rho: float = 0.0,
         sync_buffers: bool = True,
         bucket_size_mb: float = 25.0,
+        inter_node_every: int | None = None,
+        intra_node: str = "window",
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         self.beta = v.check_float(type(self).__name__, "beta", beta, 0.0, 1.0, low_inclusive=False)
-        self._configure(tau, alpha, rho, sync_buffers, bucket_size_mb, lam_name="alpha", lam_may_be_none=True)
+        self._configure(
+            tau,
+            alpha,
+            rho,
+            sync_buffers,
+            bucket_size_mb,
+            lam_name="alpha",
+            lam_may_be_none=True,
+            inter_node_every=inter_node_every,
+            intra_node=intra_node,
+            unsupported=_NO_TWO_LEVEL.format(what="a center variable"),
+        )
 
     @override
     def _policy(self) -> CenterPolicy:
@@ -249,10 +295,21 @@ class LsgdStrategy(AveragingStrategy):
         rho: float = 0.1,
         sync_buffers: bool = True,
         bucket_size_mb: float = 25.0,
+        inter_node_every: int | None = None,
+        intra_node: str = "window",
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        self._configure(tau, lam, rho, sync_buffers, bucket_size_mb)
+        self._configure(
+            tau,
+            lam,
+            rho,
+            sync_buffers,
+            bucket_size_mb,
+            inter_node_every=inter_node_every,
+            intra_node=intra_node,
+            unsupported=_NO_TWO_LEVEL.format(what="a leader"),
+        )
 
     @override
     def _policy(self) -> CenterPolicy:
@@ -261,3 +318,4 @@ class LsgdStrategy(AveragingStrategy):
 
 for _cls in (LocalSGDStrategy, EasgdStrategy, LsgdStrategy):
     _cls.__doc__ = (_cls.__doc__ or "").replace("    {common}", _COMMON_ARGS)
+    _cls.__doc__ = _cls.__doc__.replace("    {two_level}", TWO_LEVEL_ARGS.format(unit="round"))

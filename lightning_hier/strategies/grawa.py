@@ -21,9 +21,12 @@ from lightning_hier import _validate as v
 from lightning_hier.algorithms.centers import CenterPolicy
 from lightning_hier.algorithms.grawa import DEFAULT_BETA, NORMS, VARIANTS, GradientWeightedCenter, probe_grad_norms
 from lightning_hier.algorithms.grawa_async import AsyncGradientWeightedCenter
+from lightning_hier.comm import CommStats, all_reduce_mean_
+from lightning_hier.comm.collectives import Group
 from lightning_hier.strategies._async_rounds import AsyncRounds
 from lightning_hier.strategies._finite import loss_of
 from lightning_hier.strategies._probe import draw, first, fresh_batches_of, isolated_rng
+from lightning_hier.strategies._two_level import TWO_LEVEL_ARGS
 from lightning_hier.strategies._user_model import muted_logs
 from lightning_hier.strategies.averaging import AveragingStrategy
 
@@ -90,7 +93,17 @@ class GrawaStrategy(AveragingStrategy):
             asynchronous run is not bit-identical on resume (the arrival order is the machine's).
         sync_buffers: Average floating-point buffers (BatchNorm statistics) uniformly at every round.
         bucket_size_mb: Size bound of the flat buffers reduced in one call (MiB, >= 0.001).
+    {two_level}
         **kwargs: See :class:`~lightning_hier.strategies._base.HierStrategy`.
+
+    Two levels (``inter_node_every=m``; :class:`~lightning_hier.algorithms.two_level.LevelRounds`):
+    with ``intra_node='window'`` a round that is not an ``m``-th one pulls toward the *node's*
+    center (the node's replicas weighted by their inverse gradient norms, over ``data_intra``),
+    and every ``m``-th round is a flat round over the whole data group. The node rounds and the
+    whole-job rounds keep separate norm EMAs. With ``intra_node='step'`` (DDP inside the node)
+    the rounds run every ``m * tau`` steps over ``data_inter``, and the probed gradient norms are
+    first averaged over the node's ranks (each rank probes its own batch), so a node's replicas
+    get one weight and stay equal. ``rounds='async'`` is flat only.
 
     The consensus model (validation during fit, checkpoints' ``state_dict``) is the center: the
     replicas weighted with the latest round's weights. At the end of fit, a partial last period
@@ -123,6 +136,8 @@ class GrawaStrategy(AveragingStrategy):
         rounds: str = "sync",
         sync_buffers: bool = True,
         bucket_size_mb: float = 25.0,
+        inter_node_every: int | None = None,
+        intra_node: str = "window",
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -137,7 +152,16 @@ class GrawaStrategy(AveragingStrategy):
         self.rounds = v.check_choice(owner, "rounds", rounds, ROUNDS)
         self._async: AsyncRounds | None = None
         self._fresh: Any = None  # the FreshBatches of every training DataLoader (probe='fresh')
-        self._configure(tau, lam, rho, sync_buffers, bucket_size_mb)
+        self._configure(
+            tau,
+            lam,
+            rho,
+            sync_buffers,
+            bucket_size_mb,
+            inter_node_every=inter_node_every,
+            intra_node=intra_node,
+            not_with={"rounds": ("async", "asynchronous rounds talk to one parameter server; use rounds='sync'")},
+        )
 
     @classmethod
     @override
@@ -219,6 +243,9 @@ class GrawaStrategy(AveragingStrategy):
         params, module = self.algorithm.flat.tensors, self.lightning_module
         assert module is not None
         loss = self._fresh_probe_loss if self.probe == "fresh" else self._batch_probe_loss
+        if self.two_level and self.intra_node == "step":  # one weight per node: its ranks' mean norms
+            group, stats = self.groups.data_intra, self.comm_stats
+            return lambda: _node_mean(probe_grad_norms(params, loss, module.buffers()), group, stats)
         return lambda: probe_grad_norms(params, loss, module.buffers())
 
     def _batch_probe_loss(self) -> Tensor:
@@ -259,6 +286,12 @@ class GrawaStrategy(AveragingStrategy):
         return loss
 
 
+def _node_mean(norms: Tensor, group: Group, stats: CommStats) -> Tensor:
+    """The mean of the node's probed norms (``intra_node='step'``: a node's replicas are one)."""
+    all_reduce_mean_([norms], group, stats)
+    return norms
+
+
 @contextmanager
 def _side_effect_free(module: pl.LightningModule) -> Iterator[None]:
     """Re-run a LightningModule hook as a side computation: nothing logged, torchmetrics states kept."""
@@ -272,3 +305,6 @@ def _side_effect_free(module: pl.LightningModule) -> Iterator[None]:
             for name, value in state.items():
                 setattr(metric, name, value)
             metric._update_count, metric._computed, metric._forward_cache = count, computed, cache
+
+
+GrawaStrategy.__doc__ = (GrawaStrategy.__doc__ or "").replace("    {two_level}", TWO_LEVEL_ARGS.format(unit="round"))
