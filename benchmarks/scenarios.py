@@ -341,6 +341,16 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario(
         "two_level_mlp", "hpsgd", {"window": 4, "inter_node_every": 4, "intra_node": "step"}, label="hpsgd-2level-ddp"
     ),
+    # a window too short to hide the flat reduction across nodes (2 steps' compute < ~0.9 s); the
+    # two-level rule crosses the slow link every 8 windows, as often as hpsgd-2level
+    Scenario("two_level_mlp", "hpsgd", {"window": 2}, label="hpsgd-flat-w2"),
+    Scenario(
+        "two_level_mlp",
+        "hpsgd",
+        {"window": 2, "inter_node_every": 8},
+        Target("time_to_target_s", "<=", 1.0, "the flat reduction is no longer hidden", versus="hpsgd-flat-w2"),
+        label="hpsgd-2level-w2",
+    ),
     # one slow node on the slow link: DBS shares inside HPSGD against each alone
     Scenario("two_level_dbs", "dbs", {}),
     Scenario("two_level_dbs", "hpsgd", {"window": 4}),
