@@ -70,8 +70,9 @@ def test_the_two_level_scenarios_build_their_strategies_on_two_nodes():
     """What the runner checks before it starts: each run composes and constructs on 2 nodes x 2 ranks."""
     args = argparse.Namespace(quick=True, epochs=None, extra=[], ranks=4, ranks_per_node=2, straggler_mode="delay")
     args.straggler_callback = run.DEFAULT_DELAY_CALLBACK
-    the_plan = plan({"ddp", "hpsgd", "dbs", "localsgd"}, workloads=["two_level_mlp", "two_level_dbs"])
+    the_plan = plan({"ddp", "hpsgd", "dbs", "dbs_hpsgd"}, workloads=["two_level_mlp", "two_level_dbs"])
     assert "hpsgd-2level" in [s.label for s in the_plan.runs["two_level_mlp"]]
+    assert "dbs_hpsgd" in [s.label for s in the_plan.runs["two_level_dbs"]]
     run.validate(args, the_plan, run.data_overrides(argparse.Namespace(synthetic=True)))
 
 
