@@ -35,7 +35,11 @@ class JobFailed(RuntimeError):
 
 @dataclass
 class JobResult:
-    """What one job measured: each rank's worker report plus the runner's own counters."""
+    """What one job measured: each rank's worker report plus the runner's own counters.
+
+    ``tx_bytes`` / ``rx_bytes`` are per node (its shaped link: between nodes), ``intra_bytes`` per
+    node too (its loopback: between its own ranks); with one rank per node, per rank.
+    """
 
     ranks: list[dict[str, Any]]
     tx_bytes: list[int]
@@ -43,12 +47,14 @@ class JobResult:
     launch_s: float
     throttled_s: float | None = None
     cores: list[int] = field(default_factory=list)
+    intra_bytes: list[int] = field(default_factory=list)
+    ranks_per_node: int = 1
 
 
 def rank_env(cluster: EmulatedCluster, rank: int, port: int, run_id: str) -> dict[str, str]:
     """The environment of ``rank``: the runner's, minus other launchers' variables, plus torchrun's."""
     env = {k: v for k, v in os.environ.items() if k not in _FOREIGN_ENV and not k.startswith(_FOREIGN_ENV_PREFIXES)}
-    env.update(worker_env(rank, devices=1, num_nodes=cluster.ranks, port=port, run_id=run_id))
+    env.update(worker_env(rank, devices=cluster.ranks_per_node, num_nodes=cluster.nodes, port=port, run_id=run_id))
     del env["TORCHELASTIC_USE_AGENT_STORE"]  # rank 0 hosts the store at MASTER_ADDR, as on real nodes
     env["MASTER_ADDR"] = cluster.address(0)
     env["GLOO_SOCKET_IFNAME"] = cluster.interface
@@ -74,8 +80,9 @@ def run_job(
     """Run the worker spec on every rank of ``cluster``; return the collected measurements.
 
     Args:
-        cluster: The (built) emulated cluster; one rank per namespace.
-        spec: The worker spec (see :func:`benchmarks.worker.run_rank`); ``out_dir`` is set here.
+        cluster: The (built) emulated cluster; ``cluster.ranks_per_node`` ranks per namespace.
+        spec: The worker spec (see :func:`benchmarks.worker.run_rank`); ``out_dir``, ``ranks`` and
+            ``ranks_per_node`` are set here, from the cluster.
         run_dir: Directory for the spec, the rank logs and the rank reports.
         port: ``MASTER_PORT`` of this job (use a fresh one per job).
         timeout_s: Deadline for the whole job.
@@ -86,11 +93,12 @@ def run_job(
     """
     run_dir.mkdir(parents=True, exist_ok=True)
     spec_path = run_dir / "spec.json"
-    spec_path.write_text(json.dumps({**spec, "out_dir": str(run_dir)}, indent=1))
+    layout = {"ranks": cluster.ranks, "ranks_per_node": cluster.ranks_per_node}
+    spec_path.write_text(json.dumps({**spec, **layout, "out_dir": str(run_dir)}, indent=1))
     cores = pinned_cores(cluster.ranks)
-    before = [cluster.counters(r) for r in range(cluster.ranks)]
+    before = [cluster.counters(n) for n in range(cluster.nodes)]
     start = time.perf_counter()
-    with _quota(straggler) as quota:
+    with _quota(straggler, cluster.tag) as quota:
         procs: list[subprocess.Popen[bytes]] = []
         try:
             _start(cluster, spec_path, run_dir, port, cores, quota, straggler, procs)
@@ -99,7 +107,7 @@ def run_job(
             end_ranks(procs)
         throttled = quota.throttled_s() if quota is not None else None
     launch_s = time.perf_counter() - start
-    after = [cluster.counters(r) for r in range(cluster.ranks)]
+    after = [cluster.counters(n) for n in range(cluster.nodes)]
     reports = [json.loads((run_dir / f"rank{r}.json").read_text()) for r in range(cluster.ranks)]
     return JobResult(
         ranks=reports,
@@ -108,15 +116,18 @@ def run_job(
         launch_s=launch_s,
         throttled_s=throttled,
         cores=cores,
+        intra_bytes=[a["intra_tx"] - b["intra_tx"] for a, b in zip(after, before, strict=True)],
+        ranks_per_node=cluster.ranks_per_node,
     )
 
 
 @contextmanager
-def _quota(straggler: Straggler | None) -> Iterator[CpuQuota | None]:
+def _quota(straggler: Straggler | None, tag: str) -> Iterator[CpuQuota | None]:
     if straggler is None or straggler.mode != "cgroup":
         yield None
         return
-    quota = CpuQuota(f"lhb-{os.getpid()}-r{straggler.rank}", straggler.factor)
+    # one cgroup for every slowed rank (a slow node): ranks x 1/factor of a core between them
+    quota = CpuQuota(f"lhb-{tag}-slow", straggler.factor, cores=len(straggler.ranks))
     try:
         yield quota
     finally:
@@ -141,7 +152,7 @@ def _start(
         for rank in range(cluster.ranks):
             argv = [*cluster.exec_prefix(rank), "taskset", "-c", str(cores[rank])]
             argv += [sys.executable, "-m", "benchmarks.worker", str(spec_path)]
-            slow = quota is not None and straggler is not None and straggler.rank == rank
+            slow = quota is not None and straggler is not None and rank in straggler.ranks
             with open(run_dir / f"rank{rank}.log", "wb") as log:
                 procs.append(
                     subprocess.Popen(

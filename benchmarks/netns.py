@@ -1,4 +1,4 @@
-"""An emulated cluster on one host: one network namespace per rank, veth links, a bridge, tbf.
+"""An emulated cluster on one host: one network namespace per node, veth links, a bridge, tbf.
 
 Layout (nothing is created in the host's own network namespace)::
 
@@ -7,13 +7,19 @@ Layout (nothing is created in the host's own network namespace)::
     ...                                               |   in namespace lhb-<tag>-hub
                                                       +
 
+A *node* is one namespace. With one rank per node (the default) every rank has its own shaped
+link. With ``ranks_per_node=R`` the R ranks of a node share its namespace and its address: what
+they send each other never leaves the namespace (the kernel routes a local address over ``lo``:
+an unlimited, loopback-speed link, like NVLink/PCIe inside a real node), while everything
+between nodes crosses the shaped veths: the two levels of a hierarchical cluster.
+
 Bandwidth is limited with ``tc qdisc replace dev <veth> root tbf rate R burst 256kb latency 100ms``
-on *both* ends of every link (the rank's upload on its own side, its download on the bridge's
-side); netem is not available on the development machines, so there is no added latency or loss.
-``<tag>`` is the id of the process that built the cluster, which makes leftovers of a killed run
-recognisable: :func:`cleanup` removes namespaces whose owner is gone (or, with ``stale_only=False``,
-every namespace with the ``lhb-`` prefix). Deleting a namespace deletes its veth ends and the
-bridge, so cleaning up never has to touch anything outside the prefix.
+on *both* ends of every node's link (the node's upload on its own side, its download on the
+bridge's side); netem is not available on the development machines, so there is no added latency
+or loss. ``<tag>`` starts with the id of the process that built the cluster, which makes leftovers
+of a killed run recognisable: :func:`cleanup` removes namespaces whose owner is gone (or, with
+``stale_only=False``, every namespace with the ``lhb-`` prefix). Deleting a namespace deletes its
+veth ends and the bridge, so cleaning up never has to touch anything outside the prefix.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from types import TracebackType
+from typing import Any
 
 from benchmarks.leftovers import PREFIX, of_dead_runs
 
@@ -150,39 +157,59 @@ def cleanup(stale_only: bool = True, prefix: str = PREFIX) -> list[str]:
 
 
 class EmulatedCluster:
-    """``ranks`` network namespaces joined by shaped veth links to one bridge.
+    """``ranks`` ranks on ``ranks / ranks_per_node`` node namespaces joined by shaped veth links to one bridge.
 
     Use as a context manager (or call :meth:`up` / :meth:`down`): everything is removed on exit,
     also when building it or the run inside fails.
 
     Args:
-        ranks: Number of rank namespaces (1 to 250).
-        link: Shaping of every link (both directions).
-        tag: Name component of this cluster's namespaces (default: this process's id).
+        ranks: Number of ranks (1 to 250 nodes of ``ranks_per_node``).
+        link: Shaping of every node's link (both directions); links inside a node are loopback.
+        tag: Name component of this cluster's namespaces (default: this process's id). Keep the
+            process id first (``f"{os.getpid()}-label"``): :func:`cleanup` reads it.
+        ranks_per_node: Ranks sharing one namespace (node); must divide ``ranks``.
     """
 
-    def __init__(self, ranks: int, link: Link, tag: str | None = None) -> None:
-        if not 1 <= ranks <= MAX_RANKS:
-            raise ValueError(f"EmulatedCluster: `ranks` must be in [1, {MAX_RANKS}], got {ranks}.")
+    def __init__(self, ranks: int, link: Link, tag: str | None = None, ranks_per_node: int = 1) -> None:
+        if ranks_per_node < 1 or ranks % ranks_per_node:
+            raise ValueError(
+                f"EmulatedCluster: `ranks_per_node` must be >= 1 and divide ranks={ranks}, got {ranks_per_node}."
+            )
+        if not 1 <= ranks // ranks_per_node <= MAX_RANKS:
+            raise ValueError(
+                f"EmulatedCluster: `ranks` / `ranks_per_node` (nodes) must be in [1, {MAX_RANKS}], "
+                f"got {ranks} / {ranks_per_node}."
+            )
         self.ranks = ranks
+        self.ranks_per_node = ranks_per_node
+        self.nodes = ranks // ranks_per_node
         self.link = link
         self.tag = tag if tag is not None else str(os.getpid())
         self.hub = f"{PREFIX}-{self.tag}-hub"
         self._created: list[str] = []
 
+    def node_of(self, rank: int) -> int:
+        """The node (namespace index) of ``rank``: ranks of a node are consecutive, as Lightning numbers them."""
+        return rank // self.ranks_per_node
+
     def namespace(self, rank: int) -> str:
-        return f"{PREFIX}-{self.tag}-{rank}"
+        """The namespace ``rank`` runs in (its node's)."""
+        return self.node_namespace(self.node_of(rank))
+
+    def node_namespace(self, node: int) -> str:
+        return f"{PREFIX}-{self.tag}-{node}"
 
     def address(self, rank: int) -> str:
-        return f"{SUBNET}.{rank + 1}"
+        """The address of ``rank``'s node (shared by every rank of the node)."""
+        return f"{SUBNET}.{self.node_of(rank) + 1}"
 
     @property
     def interface(self) -> str:
-        """Name of every rank's link inside its namespace (``GLOO_SOCKET_IFNAME``)."""
+        """Name of every node's link inside its namespace (``GLOO_SOCKET_IFNAME``)."""
         return RANK_IF
 
     def exec_prefix(self, rank: int) -> list[str]:
-        """Command prefix that runs a program inside ``rank``'s namespace."""
+        """Command prefix that runs a program inside ``rank``'s (node's) namespace."""
         return ["ip", "netns", "exec", self.namespace(rank)]
 
     def up(self) -> EmulatedCluster:
@@ -190,8 +217,8 @@ class EmulatedCluster:
             self._add_namespace(self.hub)
             run_cmd("ip", "-n", self.hub, "link", "add", BRIDGE, "type", "bridge")
             run_cmd("ip", "-n", self.hub, "link", "set", BRIDGE, "up")
-            for rank in range(self.ranks):
-                self._add_rank(rank)
+            for node in range(self.nodes):
+                self._add_node(node)
             self.set_link(self.link)
         except BaseException:
             self.down()
@@ -203,20 +230,20 @@ class EmulatedCluster:
         self._created.append(name)
         run_cmd("ip", "-n", name, "link", "set", "lo", "up")
 
-    def _add_rank(self, rank: int) -> None:
-        ns, port = self.namespace(rank), f"lhbr{rank}"
+    def _add_node(self, node: int) -> None:
+        ns, port = self.node_namespace(node), f"lhbr{node}"
         self._add_namespace(ns)
         # both ends are created directly inside their namespaces: no name ever exists in the host's
         run_cmd("ip", "link", "add", RANK_IF, "netns", ns, "type", "veth", "peer", "name", port, "netns", self.hub)
-        run_cmd("ip", "-n", ns, "addr", "add", f"{self.address(rank)}/24", "dev", RANK_IF)
+        run_cmd("ip", "-n", ns, "addr", "add", f"{SUBNET}.{node + 1}/24", "dev", RANK_IF)
         run_cmd("ip", "-n", ns, "link", "set", RANK_IF, "up")
         run_cmd("ip", "-n", self.hub, "link", "set", port, "master", BRIDGE, "up")
 
     def set_link(self, link: Link) -> None:
-        """(Re)shape every link, both directions."""
+        """(Re)shape every node's link, both directions (loopback inside a node stays unlimited)."""
         args = link.tbf_args()
-        for rank in range(self.ranks):
-            for ns, dev in ((self.namespace(rank), RANK_IF), (self.hub, f"lhbr{rank}")):
+        for node in range(self.nodes):
+            for ns, dev in ((self.node_namespace(node), RANK_IF), (self.hub, f"lhbr{node}")):
                 if args is None:
                     subprocess.run(
                         ["tc", "-n", ns, "qdisc", "del", "dev", dev, "root"], capture_output=True, check=False
@@ -225,15 +252,19 @@ class EmulatedCluster:
                     run_cmd("tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", *args)
         self.link = link
 
-    def qdisc(self, rank: int) -> str:
-        """``tc qdisc show`` of ``rank``'s link (for logs and tests)."""
-        return run_cmd("tc", "-n", self.namespace(rank), "qdisc", "show", "dev", RANK_IF).strip()
+    def qdisc(self, node: int, dev: str = RANK_IF) -> str:
+        """``tc qdisc show`` of ``node``'s link (or its loopback, ``dev='lo'``), for logs and tests."""
+        return run_cmd("tc", "-n", self.node_namespace(node), "qdisc", "show", "dev", dev).strip()
 
-    def counters(self, rank: int) -> dict[str, int]:
-        """Bytes ``rank`` has sent (``tx``) and received (``rx``) on its link since it was built."""
-        out = run_cmd("ip", "-n", self.namespace(rank), "-s", "-j", "link", "show", "dev", RANK_IF)
-        stats = json.loads(out)[0]["stats64"]
-        return {"tx": int(stats["tx"]["bytes"]), "rx": int(stats["rx"]["bytes"])}
+    def counters(self, node: int) -> dict[str, int]:
+        """Bytes ``node`` has sent (``tx``) and received (``rx``) on its link since it was built, and
+        sent inside itself (``intra_tx``: its loopback, i.e. between its own ranks)."""
+        link, loop = (self._stats(node, dev) for dev in (RANK_IF, "lo"))
+        return {"tx": int(link["tx"]["bytes"]), "rx": int(link["rx"]["bytes"]), "intra_tx": int(loop["tx"]["bytes"])}
+
+    def _stats(self, node: int, dev: str) -> dict[str, Any]:
+        out = run_cmd("ip", "-n", self.node_namespace(node), "-s", "-j", "link", "show", "dev", dev)
+        return dict(json.loads(out)[0]["stats64"])
 
     def down(self) -> None:
         """Delete every namespace this cluster created (idempotent, not interruptible half-way)."""

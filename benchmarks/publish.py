@@ -11,7 +11,7 @@ from typing import Any
 from benchmarks.report import check_target, diagnosis, meta_line, targets_table, update_file, workload_section
 from benchmarks.scenarios import REPO, SCENARIOS, WORKLOADS
 
-RECIPES = ("hpsgd", "grawa", "dbs", "decoupled", "grid2d")
+RECIPES = ("hpsgd", "grawa", "dbs", "decoupled", "grid2d", "two_level")
 # an absolute path inside any text: a slash not preceded by a word, a dot, a colon or a slash (not "MB/s",
 # not "./x", not "https://"), up to the next space, quote, bracket or separator
 _ABSOLUTE_PATH = re.compile(r"(?<![\w.~:/-])/[^\s'\"`,;()\[\]{}<>|]+")

@@ -1,13 +1,15 @@
 """What one benchmark rank does: compose the run's config, fit, and measure.
 
-The ``Trainer(num_nodes=W, devices=1)`` built here *joins* the job started by the runner (every
-rank is its own "node", as on a real cluster). The config is composed from ``conf/`` and the
+The ``Trainer(num_nodes=W / R, devices=R)`` built here *joins* the job started by the runner,
+as on a real cluster of ``W / R`` nodes of ``R`` ranks (by default ``R = 1``: every rank its own
+node). The config is composed from ``conf/`` and the
 recipe's experiment exactly as ``python -m lightning_hier.train`` would, and built with the same
 helpers. A :class:`Recorder` keeps the validation accuracy against training time.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -25,7 +27,6 @@ from lightning_hier.train import build_datamodule, build_module, build_strategy,
 # sanity checks (they would be timed), popen start method (under torchrun-style env: join).
 RUN_OVERRIDES = (
     "start_method=popen",
-    "trainer.devices=1",
     "trainer.enable_progress_bar=false",
     "trainer.enable_checkpointing=false",
     "trainer.enable_model_summary=false",
@@ -105,6 +106,11 @@ class Recorder(Callback):
         self.train_s = self.wall_s - self._val_s
 
 
+def layout_overrides(ranks: int, ranks_per_node: int = 1) -> list[str]:
+    """The Trainer's layout on an emulated cluster of ``ranks`` ranks, ``ranks_per_node`` per node."""
+    return [f"trainer.devices={ranks_per_node}", f"trainer.num_nodes={ranks // ranks_per_node}"]
+
+
 def compose_config(overrides: list[str], searchpath: str | None) -> Any:
     """The config ``python -m lightning_hier.train <overrides>`` would build (plus the recipe path)."""
     extra = [f"hydra.searchpath=[file://{searchpath}]"] if searchpath else []
@@ -125,12 +131,12 @@ def run_rank(spec: dict[str, Any], callbacks: list[Callback] | None = None) -> d
 
     Args:
         spec: ``overrides`` (Hydra overrides), ``searchpath`` (recipe folder or None), ``ranks``
-            (world size) and ``out_dir`` (the trainer's root directory).
+            (world size), ``ranks_per_node`` (default 1) and ``out_dir`` (the trainer's root directory).
         callbacks: Extra callbacks (e.g. a delay-mode straggler on the slow rank).
     """
     torch.set_num_threads(1)
-    world = int(spec["ranks"])
-    cfg = compose_config([*spec["overrides"], *RUN_OVERRIDES, f"trainer.num_nodes={world}"], spec.get("searchpath"))
+    layout = layout_overrides(int(spec["ranks"]), int(spec.get("ranks_per_node", 1)))
+    cfg = compose_config([*spec["overrides"], *RUN_OVERRIDES, *layout], spec.get("searchpath"))
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     recorder = Recorder()
     all_callbacks: list[Callback] = [recorder, *(callbacks or [])]
@@ -147,6 +153,11 @@ def _measurements(trainer: pl.Trainer, recorder: Recorder, cfg: Any, callbacks: 
     return {
         "rank": trainer.global_rank,
         "world_size": trainer.world_size,
+        # where the rank ran: its node as Lightning sees it, and its network namespace (the emulated node)
+        "node_rank": trainer.node_rank,
+        "local_rank": trainer.local_rank,
+        "num_nodes": trainer.num_nodes,
+        "net_namespace": os.stat("/proc/self/ns/net").st_ino,
         "replicas": int(_sampler_kwargs(trainer).get("num_replicas", trainer.world_size)),
         "epochs": trainer.current_epoch,
         "steps": trainer.global_step,

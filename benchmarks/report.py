@@ -52,6 +52,10 @@ def summarize(scenario: Scenario, job: JobResult) -> dict[str, Any]:
         "tx_bytes": job.tx_bytes,
         "rx_bytes": job.rx_bytes,
         "bytes_per_epoch": sum(job.tx_bytes) / world / epochs if epochs else math.nan,
+        "ranks": world,
+        "ranks_per_node": job.ranks_per_node,
+        "intra_bytes": job.intra_bytes,
+        "intra_bytes_per_epoch": sum(job.intra_bytes) / world / epochs if epochs else math.nan,
         "payload_bytes": [int(c["bytes"]) for c in comm] if comm else None,
         "blocked_s": max(float(c["blocked_s"]) for c in comm) if comm else None,
         "blocked_estimated": False,
@@ -196,19 +200,23 @@ def _args(run: dict[str, Any]) -> str:
     return ", ".join(items) if items else "defaults"
 
 
-def workload_table(workload: Workload, result: dict[str, Any]) -> str:
-    """Markdown table of one workload's runs, with ratios against DDP."""
+def workload_table(workload: Workload, result: dict[str, Any], two_level: bool = False) -> str:
+    """Markdown table of one workload's runs, with ratios against DDP (``two_level``: with the bytes
+    each rank sent inside its node, beside those between nodes)."""
     comp = result["comparison"]
+    intra = " intra MB/epoch/rank |" if two_level else ""
     head = (
         f"| run | arguments | samples/s | x DDP | epoch s | x DDP | time to {workload.target_acc:.0%} s "
-        f"| val acc | vs DDP | acc @ {_fmt(comp['equal_time_s'], '.0f')} s | MB/epoch/rank | x DDP "
-        "| blocked s | peak MiB |"
+        f"| val acc | vs DDP | acc @ {_fmt(comp['equal_time_s'], '.0f')} s | MB/epoch/rank | x DDP |{intra}"
+        " blocked s | peak MiB |"
     )
-    lines = [head, "|" + "---|" * 14]
+    lines = [head, "|" + "---|" * (15 if two_level else 14)]
     for label, run in result["runs"].items():
         if "error" in run:
-            lines.append(f"| {label} | failed: {run['error'].splitlines()[0][:120]} |" + " |" * 12)
+            cells = " |" * (13 if two_level else 12)
+            lines.append(f"| {label} | failed: {run['error'].splitlines()[0][:120]} |{cells}")
             continue
+        intra = f" {_fmt(run.get('intra_bytes_per_epoch', math.nan) / MiB, '.1f')} |" if two_level else ""
         row = comp["rows"][label]
         blocked = _fmt(run["blocked_s"], ".1f") + (" (est.)" if run.get("blocked_estimated") else "")
         lines.append(
@@ -217,8 +225,8 @@ def workload_table(workload: Workload, result: dict[str, Any]) -> str:
             f"| {_fmt(run['epoch_s'], '.1f')} | {_fmt(row['epoch_s_ratio'], '.2f')} "
             f"| {_fmt(row['time_to_target_s'], '.0f')} | {_fmt(run['final_acc'], '.3f')} "
             f"| {_fmt(row['final_acc_delta'], '+.3f')} | {_fmt(row['acc_at_equal_time'], '.3f')} "
-            f"| {_fmt(run['bytes_per_epoch'] / MiB, '.1f')} | {_fmt(row['bytes_per_epoch_ratio'], '.3f')} "
-            f"| {blocked} | {_fmt(run['peak_rss_mb'], '.0f')} |"
+            f"| {_fmt(run['bytes_per_epoch'] / MiB, '.1f')} | {_fmt(row['bytes_per_epoch_ratio'], '.3f')} |{intra}"
+            f" {blocked} | {_fmt(run['peak_rss_mb'], '.0f')} |"
         )
     return "\n".join(lines)
 
@@ -243,16 +251,16 @@ def workload_section(workload: Workload, result: dict[str, Any], meta: dict[str,
     over from an earlier invocation says so with its own)."""
     own = result.get("meta", meta)
     slow = result.get("straggler")
-    straggler = f", rank {slow['rank']} slowed {slow['factor']:g}x ({slow['mode']})" if slow else ""
+    straggler = f", {_slowed(slow)} slowed {slow['factor']:g}x ({slow['mode']})" if slow else ""
     parts = [f"#### `{workload.name}`: {workload.description}", ""]
     if own.get("date") != meta.get("date"):
         parts += [f"From an earlier invocation: {meta_line(own)}", ""]
     parts += [
-        f"{own['ranks']} ranks, {result.get('link', workload.link)} links{straggler}; recipe "
+        f"{_layout(own)}, {result.get('link', workload.link)} links{straggler}; recipe "
         f"`recipes/{workload.recipe}` experiment `{workload.experiment}`. Equal-time accuracy at "
         f"{_fmt(result['comparison']['equal_time_s'], '.0f')} s of training (the fastest run's total).",
         "",
-        workload_table(workload, result),
+        workload_table(workload, result, two_level=int(own.get("ranks_per_node", 1)) > 1),
     ]
     if NO_COMM in result["runs"]:
         parts += [
@@ -260,16 +268,31 @@ def workload_section(workload: Workload, result: dict[str, Any], meta: dict[str,
             f"`{NO_COMM}`: the same compute without communication (Local SGD with tau = 10^9), the throughput "
             "limit; its accuracy is that of replicas averaged once at the end, not a baseline.",
         ]
-    parts += [
-        "",
-        "Predicted by the simulator (`lightning_hier.simulator`, calibrated on this invocation's `no-comm` run; "
-        "`benchmarks/predicted.py` lists the assumptions):",
-        "",
-        predicted_table(result, int(own.get("ranks", 2))),
-    ]
+    if int(own.get("ranks_per_node", 1)) > 1:
+        parts += ["", "MB/epoch/rank: bytes on the links between nodes; intra MB: on each node's loopback."]
+    else:  # the simulator models one flat ring of ranks, not two levels
+        parts += [
+            "",
+            "Predicted by the simulator (`lightning_hier.simulator`, calibrated on this invocation's `no-comm` run; "
+            "`benchmarks/predicted.py` lists the assumptions):",
+            "",
+            predicted_table(result, int(own.get("ranks", 2))),
+        ]
     if plot:
         parts += ["", f"![{workload.name}]({plot})"]
     return "\n".join(parts)
+
+
+def _layout(meta: dict[str, Any]) -> str:
+    ranks, per_node = int(meta["ranks"]), int(meta.get("ranks_per_node", 1))
+    if per_node == 1:
+        return f"{ranks} ranks"
+    return f"{ranks // per_node} nodes x {per_node} ranks (loopback inside a node)"
+
+
+def _slowed(slow: dict[str, Any]) -> str:
+    ranks = slow.get("ranks", [slow.get("rank")])  # results written before slow nodes name one "rank"
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(str(r) for r in ranks)}"
 
 
 BUSY_LOAD_PER_CPU = 0.25  # a load average above this share of the cores marks a run as preliminary

@@ -19,15 +19,18 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import fcntl
 import itertools
 import json
 import os
 import platform
+import re
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -53,8 +56,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="shrunk workloads (a few minutes); no README update")
     p.add_argument("--workloads", nargs="+", metavar="W", help=f"subset of: {', '.join(WORKLOADS)}")
     p.add_argument("--strategies", nargs="+", metavar="S", help="only scenarios of these strategies/labels")
-    p.add_argument("--ranks", type=int, default=2, help="ranks (namespaces, one core each); default 2")
-    p.add_argument("--link", help="tc rate of every link for all workloads, e.g. 100mbit, 1gbit, 10gbit, unlimited")
+    p.add_argument("--ranks", type=int, default=2, help="ranks (one core each); default 2")
+    p.add_argument(
+        "--ranks-per-node", type=int, default=1, help="ranks sharing a node's namespace (loopback inside); default 1"
+    )
+    p.add_argument("--name", help="a label in this run's namespace and cgroup names (lhb-<pid>-<name>-...)")
+    p.add_argument("--lock", type=Path, help="hold an exclusive flock on this file during each job (shared machines)")
+    p.add_argument("--link", help="tc rate of every node's link for all workloads, e.g. 100mbit, 1gbit, unlimited")
     data = p.add_mutually_exclusive_group()
     data.add_argument("--data-root", type=Path, help="CIFAR-10 source (default: shared/datasets/cifar10-jpeg.tar.gz)")
     data.add_argument("--synthetic", action="store_true", help="synthetic 3x32x32 data instead of CIFAR-10")
@@ -80,11 +88,27 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--repeats must be >= 1, got {args.repeats}")
     if args.ranks < 1 or args.ranks > netns.MAX_RANKS:
         p.error(f"--ranks must be in [1, {netns.MAX_RANKS}], got {args.ranks}")
+    if args.ranks_per_node < 1 or args.ranks % args.ranks_per_node:
+        p.error(f"--ranks-per-node must be >= 1 and divide --ranks {args.ranks}, got {args.ranks_per_node}")
+    if args.name is not None and not re.fullmatch(r"[a-z0-9]{1,8}", args.name):
+        p.error(f"--name must be 1 to 8 lowercase letters or digits (it goes into namespace names), got {args.name!r}")
     try:
         netns.parse_rate(args.link or "unlimited")
     except ValueError as err:
         p.error(f"--link: {err}")
     return args
+
+
+def layout_problem(args: argparse.Namespace, the_plan: Plan) -> str | None:
+    """Why a planned two-level workload cannot run on the chosen cluster, or ``None``."""
+    nodes = args.ranks // args.ranks_per_node
+    two_level = [name for name in the_plan.runs if WORKLOADS[name].two_level]
+    if two_level and (nodes < 2 or args.ranks_per_node < 2):
+        return (
+            f"workload(s) {', '.join(two_level)} need a two-level cluster (at least 2 nodes of at least 2 ranks), "
+            f"got --ranks {args.ranks} --ranks-per-node {args.ranks_per_node}; e.g. --ranks 4 --ranks-per-node 2"
+        )
+    return None
 
 
 def straggler_problem(args: argparse.Namespace, the_plan: Plan) -> str | None:
@@ -129,13 +153,14 @@ def run_overrides(args: argparse.Namespace, workload: Workload, scenario: Scenar
 
 def validate(args: argparse.Namespace, the_plan: Plan, data: list[str]) -> None:
     """Compose every run's config and construct its strategy now, so bad arguments fail before any run."""
-    from benchmarks.rank import RUN_OVERRIDES, compose_config
+    from benchmarks.rank import RUN_OVERRIDES, compose_config, layout_overrides
     from lightning_hier.train import build_strategy
 
     for name, scenarios in the_plan.runs.items():
         w = WORKLOADS[name]
         for sc in scenarios:
-            overrides = [*run_overrides(args, w, sc, data), *RUN_OVERRIDES, f"trainer.num_nodes={args.ranks}"]
+            layout = layout_overrides(args.ranks, getattr(args, "ranks_per_node", 1))
+            overrides = [*run_overrides(args, w, sc, data), *RUN_OVERRIDES, *layout]
             try:
                 build_strategy(compose_config(overrides, str(w.searchpath)))
             except Exception as err:
@@ -182,7 +207,9 @@ def run_plan(args: argparse.Namespace, the_plan: Plan, data: list[str], results:
     results["meta"]["logs"] = str(work)
     ports = itertools.count(FIRST_PORT)  # a fresh MASTER_PORT per job
     try:
-        with netns.EmulatedCluster(args.ranks, netns.Link(args.link or "1gbit")) as cluster:
+        tag = f"{os.getpid()}-{args.name}" if args.name else None
+        link = netns.Link(args.link or "1gbit")
+        with netns.EmulatedCluster(args.ranks, link, tag=tag, ranks_per_node=args.ranks_per_node) as cluster:
             for name, scenarios in the_plan.runs.items():
                 entry: dict[str, Any] = {"meta": results["meta"], "link": args.link or WORKLOADS[name].link, "runs": {}}
                 results["workloads"][name] = entry
@@ -211,8 +238,8 @@ def run_workload(
     from benchmarks.report import compare, median_run, summarize
 
     cluster.set_link(netns.Link(entry["link"]))
-    straggler = w.straggler_spec(args.straggler_mode, args.straggler_callback)
-    if straggler is not None and straggler.rank >= args.ranks:
+    straggler = w.straggler_spec(args.straggler_mode, args.straggler_callback, args.ranks_per_node)
+    if straggler is not None and max(straggler.ranks) >= args.ranks:
         straggler = None
     entry["straggler"] = _straggler_info(straggler)
     done: dict[str, list[dict[str, Any]]] = {}
@@ -226,9 +253,10 @@ def run_workload(
             print(f"[bench] {w.name} / {sc.label}{tag}: {' '.join(sc.hydra_overrides())}", flush=True)
             started = time.perf_counter()
             try:
-                job = run_job(
-                    cluster, spec, work / f"{sc.label}-{repeat}", next(ports), args.timeout, _cgroup(straggler)
-                )
+                with exclusive(args.lock):
+                    job = run_job(
+                        cluster, spec, work / f"{sc.label}-{repeat}", next(ports), args.timeout, _cgroup(straggler)
+                    )
                 done.setdefault(sc.label, []).append(summarize(sc, job))
                 entry["runs"][sc.label] = median_run(done[sc.label])
                 print(f"[bench]   {_progress(done[sc.label][-1])}", flush=True)
@@ -238,6 +266,24 @@ def run_workload(
             entry["comparison"] = compare(w, entry["runs"])
 
 
+@contextmanager
+def exclusive(lock: Path | None) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``lock`` (as ``flock -x``) for the block; nothing when ``None``.
+
+    Per job rather than per invocation: on a shared machine each timed job then excludes the
+    others' timings, while the ratios still come from runs of one invocation.
+    """
+    if lock is None:
+        yield
+        return
+    with open(lock, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def _skipped(the_plan: Plan) -> list[dict[str, str]]:
     return [{"workload": s.workload, "label": s.label, "reason": why} for s, why in the_plan.skipped]
 
@@ -245,13 +291,13 @@ def _skipped(the_plan: Plan) -> list[dict[str, str]]:
 def _straggler_info(straggler: Straggler | None) -> dict[str, Any] | None:
     if straggler is None:
         return None
-    return {"rank": straggler.rank, "factor": straggler.factor, "mode": straggler.mode}
+    return {"ranks": list(straggler.ranks), "factor": straggler.factor, "mode": straggler.mode}
 
 
 def _delay(straggler: Straggler | None) -> dict[str, Any] | None:
     if straggler is None or straggler.mode != "delay":
         return None
-    return {"rank": straggler.rank, "factor": straggler.factor, "callback": straggler.callback}
+    return {"ranks": list(straggler.ranks), "factor": straggler.factor, "callback": straggler.callback}
 
 
 def _cgroup(straggler: Straggler | None) -> Straggler | None:
@@ -261,7 +307,7 @@ def _cgroup(straggler: Straggler | None) -> Straggler | None:
 def _progress(run: dict[str, Any]) -> str:
     return (
         f"{run['samples_per_s']:.0f} samples/s, {run['epoch_s']:.1f} s/epoch, val acc {run['final_acc']:.3f}, "
-        f"{sum(run['tx_bytes']) / len(run['tx_bytes']) / 2**20:.1f} MiB sent per rank"
+        f"{sum(run['tx_bytes']) / run['ranks'] / 2**20:.1f} MiB sent between nodes per rank"
     )
 
 
@@ -276,6 +322,7 @@ def metadata(args: argparse.Namespace) -> dict[str, Any]:
         "commit": (commit.stdout.strip() or "unknown") + ("+dirty" if dirty else ""),
         "quick": args.quick,
         "ranks": args.ranks,
+        "ranks_per_node": args.ranks_per_node,
         "synthetic": args.synthetic,
         "straggler_mode": args.straggler_mode,
         "host_cpus": os.cpu_count(),
@@ -312,6 +359,8 @@ def cpu_busy_fraction(seconds: float = 2.0) -> float | None:
 def show_list(the_plan: Plan) -> None:
     for name, w in WORKLOADS.items():
         straggler = f", rank {w.straggler[0]} x{w.straggler[1]:g}" if w.straggler else ""
+        straggler += f", node {w.slow_node[0]} x{w.slow_node[1]:g}" if w.slow_node else ""
+        straggler += ", two-level" if w.two_level else ""
         own = f" {' '.join(w.overrides)}" if w.overrides else ""
         print(f"{name}: {w.description} [{w.link}{straggler}] recipes/{w.recipe}/experiment/{w.experiment}.yaml{own}")
         for sc in (s for s in SCENARIOS if s.workload == name):
@@ -337,7 +386,12 @@ def main(argv: list[str] | None = None) -> int:
     if not the_plan.runs:
         print("benchmarks: nothing to run (no selected scenario has a registered strategy)")
         return 1
-    problem = netns.requirements_problem() or publish.plotting_problem() or straggler_problem(args, the_plan)
+    problem = (
+        layout_problem(args, the_plan)
+        or netns.requirements_problem()
+        or publish.plotting_problem()
+        or straggler_problem(args, the_plan)
+    )
     if problem:
         print(f"benchmarks: {problem}", file=sys.stderr)
         return 2

@@ -35,16 +35,16 @@ MIN_QUOTA_US = 1_000  # the kernel's minimum quota
 
 @dataclass(frozen=True)
 class Straggler:
-    """One slowed rank.
+    """Slowed ranks (one rank, or every rank of a slow node).
 
     Attributes:
-        rank: The rank that runs slower.
+        ranks: The ranks that run slower.
         factor: How many times slower (> 1).
         mode: ``'cgroup'`` or ``'delay'``.
         callback: ``module:attr`` of the delay-mode callback factory.
     """
 
-    rank: int
+    ranks: tuple[int, ...]
     factor: float
     mode: str = "cgroup"
     callback: str = DEFAULT_DELAY_CALLBACK
@@ -55,8 +55,8 @@ class Straggler:
         max_factor = PERIOD_US / MIN_QUOTA_US
         if not 1.0 < self.factor <= max_factor:
             raise ValueError(f"straggler factor must be in (1, {max_factor:g}], got {self.factor!r}.")
-        if self.rank < 0:
-            raise ValueError(f"straggler rank must be >= 0, got {self.rank!r}.")
+        if not self.ranks or min(self.ranks) < 0:
+            raise ValueError(f"straggler ranks must be one or more ranks >= 0, got {self.ranks!r}.")
 
 
 def cgroup_flavour(root: Path = CGROUP_ROOT) -> tuple[str, Path] | None:
@@ -70,21 +70,22 @@ def cgroup_flavour(root: Path = CGROUP_ROOT) -> tuple[str, Path] | None:
     return None
 
 
-def quota_us(factor: float, period_us: int = PERIOD_US) -> int:
-    """CPU time per period that makes a one-core process ``factor`` times slower."""
-    return max(MIN_QUOTA_US, round(period_us / factor))
+def quota_us(factor: float, period_us: int = PERIOD_US, cores: int = 1) -> int:
+    """CPU time per period that makes ``cores`` one-core processes ``factor`` times slower."""
+    return max(MIN_QUOTA_US, round(period_us * cores / factor))
 
 
 class CpuQuota:
-    """A cgroup limiting its members to ``1/factor`` of one CPU; remove it with :meth:`remove`.
+    """A cgroup limiting its members to ``cores/factor`` CPUs; remove it with :meth:`remove`.
 
     Args:
         name: Directory name of the cgroup (should start with the harness prefix).
         factor: Slow-down factor (> 1).
         root: The cgroup filesystem's mount point.
+        cores: Single-core members it will hold (the ranks of a slow node), sharing the quota.
     """
 
-    def __init__(self, name: str, factor: float, root: Path = CGROUP_ROOT) -> None:
+    def __init__(self, name: str, factor: float, root: Path = CGROUP_ROOT, cores: int = 1) -> None:
         flavour = cgroup_flavour(root)
         if flavour is None:
             raise RuntimeError(
@@ -94,7 +95,7 @@ class CpuQuota:
         self.version, parent = flavour
         self.path = parent / name
         self.path.mkdir(exist_ok=True)
-        quota = quota_us(factor)
+        quota = quota_us(factor, cores=cores)
         if self.version == "v2":
             (self.path / "cpu.max").write_text(f"{quota} {PERIOD_US}\n")
         else:

@@ -23,7 +23,7 @@ def delay_callbacks(spec: dict[str, Any]) -> list[Any]:
     delay = spec.get("delay")
     if not delay:
         return []
-    return [load_factory(delay["callback"])(ranks=[int(delay["rank"])], factor=float(delay["factor"]))]
+    return [load_factory(delay["callback"])(ranks=[int(r) for r in delay["ranks"]], factor=float(delay["factor"]))]
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -40,6 +40,7 @@ import torch.distributed as dist
 from typing_extensions import override
 
 from lightning_hier.algorithms.dbs_compose import SampleWeightedCenter, SampleWindow
+from lightning_hier.algorithms.hpsgd import HPSGD
 from lightning_hier.strategies._dbs_shares import DBSShares
 from lightning_hier.strategies.averaging import LocalSGDStrategy
 from lightning_hier.strategies.hpsgd import HPSGDStrategy
@@ -159,12 +160,13 @@ class DBSHPSGDStrategy(SampleWeighted, HPSGDStrategy):
 
     @override
     def _apply_weight(self, weight: float) -> None:
-        assert self.algorithm is not None
+        # flat HPSGD only: the composition rejects the two-level arguments before setup
+        assert isinstance(self.algorithm, HPSGD)
         self.algorithm.change_weight = weight
 
     @override
     def _window_sent(self) -> bool:
-        assert self.algorithm is not None
+        assert isinstance(self.algorithm, HPSGD)
         return self.algorithm.since_launch == 0
 
 

@@ -109,7 +109,7 @@ def test_a_failing_rank_ends_the_job_and_its_peers(emulation, tmp_path):
     # rank 1 fails at once (its delay callback raises), while rank 0 goes on to wait for it in the
     # rendezvous: the runner must end rank 0 and report rank 1's error
     spec = {"ranks": 2, "searchpath": None, "overrides": ["data=synthetic", "strategy=ddp"]}
-    spec["delay"] = {"rank": 1, "factor": 2.0, "callback": "tests.benchmarks.failing_callback:factory"}
+    spec["delay"] = {"ranks": [1], "factor": 2.0, "callback": "tests.benchmarks.failing_callback:factory"}
     with EmulatedCluster(2, Link("1gbit")) as cluster, pytest.raises(JobFailed) as info:
         run_job(cluster, spec, tmp_path, port=29391, timeout_s=120)
     assert "rank 1 exited with code 1" in str(info.value) and "rank 1 fails on purpose" in str(info.value)

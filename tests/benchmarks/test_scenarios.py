@@ -18,6 +18,7 @@ from benchmarks.scenarios import (
     hydra_value,
     plan,
 )
+from benchmarks.straggler import Straggler
 from lightning_hier.train import conf_dir
 
 
@@ -98,9 +99,9 @@ def test_scenario_overrides_and_hydra_values():
     sc = Scenario("grid2d_mlp", "grid2d", {"grid": [2, 1], "sync": True, "mode": "fixed"}, overrides=("a.b=1",))
     assert sc.hydra_overrides() == [
         "strategy=grid2d",
-        "strategy.grid=[2,1]",
-        "strategy.sync=true",
-        "strategy.mode=fixed",
+        "++strategy.grid=[2,1]",
+        "++strategy.sync=true",
+        "++strategy.mode=fixed",
         "a.b=1",
     ]
     assert hydra_value(None) == "null" and hydra_value(0.5) == "0.5" and hydra_value("a b") == "'a b'"
@@ -109,8 +110,11 @@ def test_scenario_overrides_and_hydra_values():
 def test_workload_straggler_spec():
     w = Workload("w", "dbs", "x", "d", 0.5, straggler=(1, 2.0))
     spec = w.straggler_spec("delay", "m:f")
-    assert spec is not None and (spec.rank, spec.factor, spec.mode, spec.callback) == (1, 2.0, "delay", "m:f")
+    assert spec is not None and (spec.ranks, spec.factor, spec.mode, spec.callback) == ((1,), 2.0, "delay", "m:f")
     assert WORKLOADS["grawa_cnn"].straggler_spec("cgroup", "m:f") is None
+    node = Workload("w", "dbs", "x", "d", 0.5, slow_node=(1, 3.0))
+    assert node.straggler_spec("cgroup", "m:f", ranks_per_node=2) == Straggler((2, 3), 3.0, "cgroup", "m:f")
+    assert node.straggler_spec("cgroup", "m:f") == Straggler((1,), 3.0, "cgroup", "m:f")  # one rank per node
 
 
 def test_run_overrides_order_user_last():

@@ -16,16 +16,19 @@ from benchmarks.straggler import (
 
 def test_straggler_arguments_are_checked():
     with pytest.raises(ValueError, match="mode must be one of cgroup, delay, got 'slow'"):
-        Straggler(rank=1, factor=2.0, mode="slow")
+        Straggler(ranks=(1,), factor=2.0, mode="slow")
     with pytest.raises(ValueError, match="factor must be in"):
-        Straggler(rank=1, factor=1.0)
-    with pytest.raises(ValueError, match="rank must be >= 0"):
-        Straggler(rank=-1, factor=2.0)
+        Straggler(ranks=(1,), factor=1.0)
+    with pytest.raises(ValueError, match="ranks must be one or more ranks >= 0"):
+        Straggler(ranks=(-1,), factor=2.0)
+    with pytest.raises(ValueError, match="ranks must be one or more ranks >= 0"):
+        Straggler(ranks=(), factor=2.0)
 
 
 def test_quota_is_one_over_factor_of_a_core():
     assert quota_us(2.0) == PERIOD_US // 2 and quota_us(4.0) == PERIOD_US // 4
     assert quota_us(1000.0) == 1000  # never below the kernel's minimum
+    assert quota_us(2.0, cores=2) == PERIOD_US  # a slow node of 2 ranks: half of 2 cores between them
 
 
 def test_cgroup_v1_and_v2_quota_files(tmp_path):

@@ -25,7 +25,7 @@ def _run(tmp_path, overrides, delay=None):
 
 
 def test_worker_records_timeline_samples_and_communication(tmp_path):
-    delay = {"rank": 1, "factor": 2.0, "callback": "lightning_hier.callbacks.straggler:Straggler"}
+    delay = {"ranks": [1], "factor": 2.0, "callback": "lightning_hier.callbacks.straggler:Straggler"}
     reports = _run(tmp_path, [*TINY, "strategy=localsgd", "strategy.tau=2", "strategy.timeout=30"], delay)
     for r, rep in enumerate(reports):
         assert rep["rank"] == r and rep["world_size"] == 2 and rep["replicas"] == 2
