@@ -1,10 +1,7 @@
 """grid2d inside a node, Local SGD or HPSGD across nodes (issue 20), under a real Trainer(num_nodes=2).
 
-Two simulated nodes of two ranks each. The reference is a single-process simulation: one ordinary
-network per node, trained on the mean gradient of the node's batch blocks (what the node's grid
-computes), the two node networks combined across nodes by the rule: Local SGD averages them every
-``m`` steps (and at the end), HPSGD (eager merge) applies the mean of the previous window's changes
-one window late, keeping its own newest change on top (and drains at the end).
+Two simulated nodes of two ranks each, against the single-process simulation of
+:mod:`tests.two_level_reference` (one ordinary network per node, the rule across nodes).
 """
 
 from __future__ import annotations
@@ -19,6 +16,7 @@ from lightning_hier import Grid2DStrategy
 from lightning_hier.models import Classifier, mlp
 from lightning_hier.testing import run_workers
 from tests.helpers import trainer
+from tests.two_level_reference import node_steps, simulate_nodes
 
 NODES, DEVICES, N, BATCH, EPOCHS, LR, MOMENTUM = 2, 2, 48, 8, 2, 0.05, 0.9  # 12 optimizer steps
 
@@ -49,86 +47,14 @@ def _fit(grid: tuple[int, int], every: int | None, rule: str) -> torch.Tensor:
 
 
 def _reference(pr: int, every: int, rule: str) -> torch.Tensor:
-    nets = [_model().net for _ in range(NODES)]
-    opts = [torch.optim.SGD(n.parameters(), lr=LR, momentum=MOMENTUM) for n in nets]
     per_node = DEVICES // pr
-    blocks = [_data(b) for b in range(NODES * per_node)]
-    rule_state = _Hpsgd(nets, every) if rule == "hpsgd" else _LocalSgd(nets, every)
-    for _ in range(EPOCHS):
-        for i in range(0, N, BATCH):
-            for node, (net, opt) in enumerate(zip(nets, opts, strict=True)):
-                opt.zero_grad()
-                mine = blocks[node * per_node : (node + 1) * per_node]
-                loss = sum(torch.nn.functional.cross_entropy(net(x[i : i + BATCH]), y[i : i + BATCH]) for x, y in mine)
-                (loss / per_node).backward()  # the node's mean gradient over its batch blocks
-                opt.step()
-            rule_state.step()
-    rule_state.finalize()
+    steps = node_steps([_data(b) for b in range(NODES * per_node)], NODES, BATCH, EPOCHS)
+    nets = simulate_nodes([_model().net for _ in range(NODES)], _optimizer, steps, every, rule)
     return _flat({f"net.{k}": v for k, v in nets[0].state_dict().items()})
 
 
-def _vectors(nets: list[torch.nn.Module]) -> list[torch.Tensor]:
-    return [torch.nn.utils.parameters_to_vector(n.parameters()).detach().clone() for n in nets]
-
-
-def _load(net: torch.nn.Module, vector: torch.Tensor) -> None:
-    torch.nn.utils.vector_to_parameters(vector.clone(), net.parameters())
-
-
-class _LocalSgd:
-    """Mean of the node networks every ``every`` steps and after a partial last period."""
-
-    def __init__(self, nets: list[torch.nn.Module], every: int) -> None:
-        self.nets, self.every, self.steps = nets, every, 0
-
-    def step(self) -> None:
-        self.steps += 1
-        if self.steps % self.every == 0:
-            self._average()
-
-    def finalize(self) -> None:
-        if self.steps % self.every:
-            self._average()
-
-    def _average(self) -> None:
-        mean = torch.stack(_vectors(self.nets)).mean(0)
-        for net in self.nets:
-            _load(net, mean)
-
-
-class _Hpsgd:
-    """HPSGD, eager merge, written out: launch at step 1, merge every ``every`` steps, drain at the end."""
-
-    def __init__(self, nets: list[torch.nn.Module], every: int) -> None:
-        self.nets, self.every = nets, every
-        self.global_model = _vectors(nets)[0]  # S: every node starts from the same weights
-        self.start: list[torch.Tensor] = []  # V per node
-        self.in_flight: torch.Tensor | None = None  # the sum of the nodes' changes of the last window
-        self.since = 0
-
-    def step(self) -> None:
-        x = _vectors(self.nets)
-        if self.in_flight is None:  # the first window is the first step
-            self.in_flight = sum(v - self.global_model for v in x)
-            self.start, self.since = x, 0
-            return
-        self.since += 1
-        if self.since < self.every:
-            return
-        changes = [v - s for v, s in zip(x, self.start, strict=True)]
-        self.global_model = self.global_model + self.in_flight / len(x)
-        self.start = [self.global_model + d for d in changes]  # x <- S + d, V <- x
-        for net, v in zip(self.nets, self.start, strict=True):
-            _load(net, v)
-        self.in_flight, self.since = sum(changes), 0
-
-    def finalize(self) -> None:
-        x = _vectors(self.nets)
-        assert self.in_flight is not None
-        changes = sum(v - s for v, s in zip(x, self.start, strict=True))
-        self.global_model = self.global_model + (self.in_flight + changes) / len(x)
-        for net in self.nets:
-            _load(net, self.global_model)
+def _optimizer(net: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(net.parameters(), lr=LR, momentum=MOMENTUM)
 
 
 @pytest.mark.parametrize(

@@ -87,7 +87,9 @@ class DecoupledPipeline:
         stage_index: ``k``, 0-based.
         stage_ranks: Global ranks of the ``K`` stages of this rank's replica, in stage order.
         pipe_group: Process group of ``stage_ranks`` (``None`` when ``K == 1``).
-        data_group: The data-parallel group of this stage (``None`` without replicas).
+        data_group: The data-parallel group of this stage (``None`` without replicas), or the
+            groups of a two-level mean taken in turn (node-local first, then across nodes: equal
+            group sizes make it the mean over all replicas; ``None`` entries are skipped).
         schedule: ``'fdg'``, ``'ddg'`` or ``'sync'`` (see :mod:`.schedule`).
         order: ``'forward_first'`` or ``'backward_first'`` (FDG's order, ``fdg`` only; see :mod:`.schedule`).
         weights: ``'stash'``, ``'recompute'`` or ``'legacy'`` (see :mod:`.stage`).
@@ -124,7 +126,7 @@ class DecoupledPipeline:
         stage_index: int,
         stage_ranks: Sequence[int],
         pipe_group: Group = None,
-        data_group: Group = None,
+        data_group: Group | Sequence[Group] = None,
         schedule: str = "fdg",
         order: str = "forward_first",
         weights: str = "stash",
@@ -147,7 +149,8 @@ class DecoupledPipeline:
             raise ValueError(f"DecoupledPipeline: `beta` must be in (0, 1], got {beta!r}.")
         self.k = stage_index
         self.ranks = list(stage_ranks)
-        self.data_group = data_group
+        levels = data_group if isinstance(data_group, list | tuple) else (data_group,)
+        self.data_groups: tuple[dist.ProcessGroup, ...] = tuple(g for g in levels if g is not None)
         self.beta = beta
         self.wire_dtype = wire_dtype
         self.loss_fn: LossFn = loss_fn if loss_fn is not None else _cross_entropy
@@ -326,9 +329,10 @@ class DecoupledPipeline:
         grads = self.runner.grads(leaves)
         if self.check_gradients is not None:
             self.check_gradients(grads)  # before the replicas' all-reduce could spread a NaN
-        if self.data_group is not None:
+        if self.data_groups:
             flat = self.runner.flatten(grads)
-            all_reduce_mean_(flat, self.data_group, self.stats)
+            for group in self.data_groups:  # node-local first: the slow link carries a node's mean
+                all_reduce_mean_(flat, group, self.stats)
             grads = self.runner.flat.split(flat)
         self.runner.set_grads(grads)
         apply()
