@@ -133,15 +133,3 @@ def _auto_stages() -> int:
 
 def test_auto_stages_keep_the_pipeline_inside_a_node():
     assert run_workers(_auto_stages, devices=DEVICES, num_nodes=NODES) == [2] * 4  # not 4: a node has 2 ranks
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "match"),
-    [
-        ({"inter_node_every": 0}, r"DecoupledStrategy: argument `inter_node_every` must be an integer >= 1, got 0"),
-        ({"inter_node": "ddp"}, r"DecoupledStrategy: argument `inter_node` must be one of 'localsgd', 'hpsgd'"),
-    ],
-)
-def test_bad_two_level_arguments_fail_at_construction(kwargs, match):
-    with pytest.raises(ValueError, match=match):
-        DecoupledStrategy(**kwargs)

@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_hier import Grid2DStrategy
 from lightning_hier.models import Classifier, mlp
+from lightning_hier.planner import Link, best_grid, model_layers
 from lightning_hier.testing import run_workers
 from tests.helpers import trainer
 from tests.two_level_reference import node_steps, simulate_nodes
@@ -85,13 +86,17 @@ def test_two_level_on_one_node_is_rejected_when_the_trainer_is_built():
         trainer(strategy=strategy)
 
 
-@pytest.mark.parametrize(
-    ("kwargs", "match"),
-    [
-        ({"inter_node_every": 0}, r"Grid2DStrategy: argument `inter_node_every` must be an integer >= 1, got 0"),
-        ({"inter_node": "ddp"}, r"Grid2DStrategy: argument `inter_node` must be one of 'localsgd', 'hpsgd'"),
-    ],
-)
-def test_bad_two_level_arguments_fail_at_construction(kwargs, match):
-    with pytest.raises(ValueError, match=match):
-        Grid2DStrategy(**kwargs)
+def _auto_grid() -> tuple[int, int]:
+    torch.manual_seed(0)
+    wide = Classifier(mlp((1, 8, 8), 10, hidden=(2048,)), 10, lr=LR)
+    # bandwidth-only links and a wide layer: on 4 ranks the planner would shard over all 4 (Pr = 4)
+    strategy = Grid2DStrategy(grid="auto", alpha=0.0, beta=4e-10, inter_node_every=2, timeout=30)
+    t = trainer(strategy=strategy, devices=DEVICES, num_nodes=NODES, max_steps=2)
+    t.fit(wide, DataLoader(TensorDataset(*_data(0)), batch_size=BATCH))
+    return strategy.grid
+
+
+def test_auto_grid_plans_the_grid_of_one_node():
+    layers = model_layers(Classifier(mlp((1, 8, 8), 10, hidden=(2048,)), 10), (1, 8, 8))
+    assert best_grid(layers, BATCH, 4, links=Link(0.0, 4e-10), batch_scope="replica").grid == (4, 1)
+    assert run_workers(_auto_grid, devices=DEVICES, num_nodes=NODES) == [(2, 2)] * 4
