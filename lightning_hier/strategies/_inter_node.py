@@ -15,7 +15,9 @@ Every rank of a node holds the same replica (their gradients are averaged every 
 ``data_inter`` group averages the same pair of node models; the result is identical on every rank.
 
 Without ``inter_node_every`` a multi-node job whose layout splits reduces gradients over
-``data_intra`` and then ``data_inter`` (:func:`data_levels`): the mean over ``data``, in two steps.
+``data_intra`` and then ``data_inter`` (:func:`data_levels`,
+:func:`~lightning_hier.comm.two_level.two_level_mean_`): the mean over ``data``, in two steps, each
+rank of a node carrying its share of the node's mean across nodes.
 
 The in-node level of these two strategies is always the per-step gradient reduction of their own
 algorithm (what the data-parallel families call ``intra_node='step'``), so they take no
@@ -74,14 +76,14 @@ def check_two_level(owner: str, topology: Topology, every: int | None) -> None:
         )
 
 
-def data_levels(groups: ProcessGroups) -> tuple[Group, ...]:
-    """The groups a per-step gradient mean goes over, in turn: node-local first, then across nodes.
+def data_levels(groups: ProcessGroups) -> tuple[Group, Group]:
+    """``(node-local, cross-node)`` groups of a per-step gradient mean in two levels.
 
-    On one node this is ``(data,)``; on a layout whose replicas do not fit in a node it is the flat
-    ``(data,)`` too (the data dimension cannot split).
+    On one node this is ``(data, None)``; on a layout whose replicas do not fit in a node it is the
+    flat ``(data, None)`` too (the data dimension cannot split).
     """
     if groups.topology.num_nodes == 1 or groups.topology.two_level_problem() is not None:
-        return (groups.data,)
+        return (groups.data, None)
     return (groups.data_intra, groups.data_inter)
 
 

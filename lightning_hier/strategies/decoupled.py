@@ -305,7 +305,7 @@ class DecoupledStrategy(PipelineStagesStrategy):
         )
         topo, coords = self.topology, self.topology.coords(self.global_rank)
         # periodic across nodes: the per-update mean stays in the node; else node, then across nodes
-        levels = (self.groups.data_intra,) if self.inter_level.enabled else data_levels(self.groups)
+        levels = (self.groups.data_intra, None) if self.inter_level.enabled else data_levels(self.groups)
         self.pipeline = DecoupledPipeline(
             stage,
             stage_index=coords.pipe,
