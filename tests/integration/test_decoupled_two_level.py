@@ -44,10 +44,13 @@ class _Levels(Callback):
 
     def __init__(self) -> None:
         self.levels: list[list[int]] = []
+        self.timeouts: list[float] = []
 
     def on_train_start(self, trainer, *args) -> None:
         pipe = trainer.strategy.pipeline
         self.levels = [dist.get_process_group_ranks(g) for g in pipe.data_groups]
+        # after start-up every group waits `timeout` (30 s here), not the long init_timeout
+        self.timeouts = [g._get_backend(torch.device("cpu")).options._timeout.total_seconds() for g in pipe.data_groups]
 
 
 def _fit(stages: int, schedule: str, every: int | None, rule: str) -> dict:
@@ -64,7 +67,12 @@ def _fit(stages: int, schedule: str, every: int | None, rule: str) -> dict:
     )
     module = _classifier()
     t.fit(module, DataLoader(TensorDataset(x, y), batch_size=BATCH, shuffle=False))
-    return {"levels": levels.levels, "whole": flat_params(module), "loss": float(t.callback_metrics["train/loss"])}
+    return {
+        "levels": levels.levels,
+        "timeouts": levels.timeouts,
+        "whole": flat_params(module),
+        "loss": float(t.callback_metrics["train/loss"]),
+    }
 
 
 def _reference(stages: int, nodes: int, every: int | None, rule: str | None) -> torch.Tensor:
@@ -85,6 +93,7 @@ def _reference(stages: int, nodes: int, every: int | None, rule: str | None) -> 
 def test_per_step_two_level_mean_equals_single_process_sgd(stages, levels):
     out = run_workers(_fit, stages, "sync", None, "localsgd", devices=DEVICES, num_nodes=NODES)
     assert [o["levels"] for o in out] == levels
+    assert all(o["timeouts"] == [30.0] * len(o["levels"]) for o in out)
     ref = _reference(stages, 1, None, None)  # the flat mean: one network on every replica's batch
     for o in out:
         torch.testing.assert_close(o["whole"], ref, atol=1e-6, rtol=0)
