@@ -114,20 +114,38 @@ class GridContext:
 
     @classmethod
     def from_groups(
-        cls, groups: Any, stats: GridCommStats | None = None, timeout: timedelta | None = None
+        cls,
+        groups: Any,
+        stats: GridCommStats | None = None,
+        timeout: timedelta | None = None,
+        node_local: bool = False,
     ) -> GridContext:
-        """The context of this rank from :class:`~lightning_hier.topology.ProcessGroups` (``pipe == 1``)."""
+        """The context of this rank from :class:`~lightning_hier.topology.ProcessGroups` (``pipe == 1``).
+
+        Args:
+            groups: This rank's process groups.
+            stats: Where the layers record their bytes.
+            timeout: See the class arguments.
+            node_local: The grid is this rank's node only (two-level training across nodes): BATCH
+                is ``data_intra`` (the node's batch blocks) and the grid group the node; the
+                replicas of different nodes are synchronised by the strategy, not by the layers.
+        """
         topo = groups.topology
         if topo.pipe != 1:
             raise ValueError(f"GridContext: the grid has no pipeline dimension, got pipe={topo.pipe}.")
+        if node_local:
+            pc, batch_group, grid_group = topo.data_per_node, groups.data_intra, groups.node
+        else:
+            pc, batch_group = topo.data, groups.data
+            grid_group = dist.group.WORLD if topo.world_size > 1 else None
         return cls(
             pr=topo.model,
-            pc=topo.data,
+            pc=pc,
             r=groups.coords.model,
-            c=groups.coords.data,
+            c=groups.coords.data % pc,
             model_group=groups.model,
-            batch_group=groups.data,
-            grid_group=dist.group.WORLD if topo.world_size > 1 else None,
+            batch_group=batch_group,
+            grid_group=grid_group,
             model_ranks=tuple(topo.group_ranks("model", groups.rank)),
             stats=stats,
             timeout=timeout,

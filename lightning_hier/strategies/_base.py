@@ -230,7 +230,16 @@ class HierStrategy(FinishOnce, FiniteChecks, FailureHandling, CheckpointingStrat
     def _set_collective_timeout(self) -> None:
         """Switch every group from the start-up ``init_timeout`` to the per-collective ``timeout``."""
         groups = self.groups
-        unique = {id(g): g for g in (dist.group.WORLD, groups.data, groups.pipe, groups.model, groups.node) if g}
+        every = (
+            dist.group.WORLD,
+            groups.data,
+            groups.pipe,
+            groups.model,
+            groups.node,
+            groups.data_intra,
+            groups.data_inter,
+        )
+        unique = {id(g): g for g in every if g}
         for group in unique.values():
             dist.distributed_c10d._set_pg_timeout(self._timeout, group)
 

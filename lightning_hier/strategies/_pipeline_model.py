@@ -234,6 +234,24 @@ def check_module_attr_argument(owner: str, module_attr: Any) -> str | None:
     return module_attr
 
 
+def check_fit_settings(module: Any, accumulate_grad_batches: int, optimizer: Any, stage: nn.Module) -> None:
+    """What the pipeline's own optimizer steps need: automatic optimization, no accumulation, one step per call.
+
+    Raises:
+        ValueError: Naming the setting and what to use instead.
+    """
+    if not module.automatic_optimization:
+        raise ValueError("DecoupledStrategy runs the optimizer steps itself: use automatic optimization.")
+    if accumulate_grad_batches != 1:
+        raise ValueError(
+            f"DecoupledStrategy: accumulate_grad_batches={accumulate_grad_batches} is not supported; the "
+            "pipeline applies one update per batch and stage (use a larger batch instead)."
+        )
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise ValueError("DecoupledStrategy: LBFGS re-evaluates its closure; use an optimizer that steps once.")
+    check_optimizer_params(optimizer, stage)
+
+
 def check_optimizer_params(optimizer: Optimizer, stage: nn.Module) -> None:
     """The optimizer must hold this stage's parameters only (it was built after the cut)."""
     mine = {id(p) for p in stage.parameters()}

@@ -28,6 +28,7 @@ from typing_extensions import override
 from lightning_hier.algorithms.decoupled import DecoupledPipeline, IterationReport
 from lightning_hier.strategies import _pipeline_model as pm
 from lightning_hier.strategies._base import HierStrategy
+from lightning_hier.strategies._inter_node import InterNodeLevel
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,7 @@ class PipelineStagesStrategy(HierStrategy):
     _split: tuple[int, ...] | None = None  # the cut in use (kept after fit: optimizer states follow it)
     _missing_on_load: list[str]
     _example_input: Any = None
+    inter_level: InterNodeLevel  # the cross-node level (off unless inter_node_every is set)
 
     @property
     @override
@@ -61,15 +63,16 @@ class PipelineStagesStrategy(HierStrategy):
     @contextmanager
     @override
     def _consensus(self) -> Iterator[None]:
-        if self._cut is None or self.pipeline is None or len(self.pipeline.ranks) == 1:
-            yield  # one stage holds the whole network: its ordinary forward is the staged one
-            return
-        module = self.lightning_module
-        assert module is not None
-        container = self._cut.container
-        target = container if isinstance(container, nn.Sequential) else module
-        with pm.forward_replaced(target, self.pipeline.forward_eval):
-            yield
+        with self.inter_level.consensus():  # the mean of the nodes' stages, when they drift apart
+            if self._cut is None or self.pipeline is None or len(self.pipeline.ranks) == 1:
+                yield  # one stage holds the whole network: its ordinary forward is the staged one
+                return
+            module = self.lightning_module
+            assert module is not None
+            container = self._cut.container
+            target = container if isinstance(container, nn.Sequential) else module
+            with pm.forward_replaced(target, self.pipeline.forward_eval):
+                yield
 
     @override
     def _finalize_algorithm(self) -> None:
@@ -77,6 +80,8 @@ class PipelineStagesStrategy(HierStrategy):
             return
         if self.pipeline.in_flight:  # fit stopped mid-epoch
             self._drain()
+        self.inter_level.finalize()  # every node's stage takes the consensus before the stages are joined
+        self.inter_level.algorithm = None  # its buckets are this fit's stage
         pm.reassemble(self._cut, self.root_device, self.pipeline.ranks, self.groups.pipe)
         self.lightning_module.example_input_array = self._example_input  # type: ignore[union-attr]
         self._cut, self.pipeline = None, None
@@ -87,9 +92,10 @@ class PipelineStagesStrategy(HierStrategy):
         """The whole ordinary model, assembled from the stages of replica 0 (a collective)."""
         if self._cut is None or self.pipeline is None:
             return super().lightning_module_state_dict()
-        if self.topology.coords(self.global_rank).data != 0:
-            return {}  # only rank 0's copy is written
-        state = pm.gather_state_dict(self._cut, self.pipeline.ranks, self.groups.pipe)
+        with self.inter_level.consensus():  # a collective across nodes: every rank enters it
+            if self.topology.coords(self.global_rank).data != 0:
+                return {}  # only rank 0's copy is written
+            state = pm.gather_state_dict(self._cut, self.pipeline.ranks, self.groups.pipe)
         return state if state is not None else {}
 
     @override
@@ -114,9 +120,10 @@ class PipelineStagesStrategy(HierStrategy):
                 "DecoupledStrategy: checkpoint taken with batches in flight (mid-epoch); they are not saved, so a "
                 "run resumed from it skips their updates. Epoch-end checkpoints are exact."
             )
-        return {**split, "pipeline": self.pipeline.state_dict()}
+        return {**split, "pipeline": self.pipeline.state_dict(), **self.inter_level.state_dict()}
 
     @override
     def _load_algorithm_state(self, state: dict[str, Any]) -> None:
         if self.pipeline is not None and "pipeline" in state:
             self.pipeline.load_state_dict(state["pipeline"])
+        self.inter_level.load_state_dict(state)

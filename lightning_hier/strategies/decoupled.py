@@ -82,6 +82,7 @@ from lightning_hier.algorithms.decoupled import (
 from lightning_hier.comm import all_reduce_mean_, broadcast_object
 from lightning_hier.strategies import _pipeline_model as pm
 from lightning_hier.strategies._finite import all_finite
+from lightning_hier.strategies._inter_node import InterNodeLevel, data_levels
 from lightning_hier.strategies._pipeline_loss import TrainingStepLoss
 from lightning_hier.strategies._pipeline_stages import PipelineStagesStrategy
 
@@ -102,8 +103,8 @@ class DecoupledStrategy(PipelineStagesStrategy):
     Args:
         stages: Number of pipeline stages ``K``; the world size must be a multiple (``N = W / K``).
             ``'auto'``: ``len(split) + 1`` when ``split`` is given, else the largest divisor of the
-            world size that is at most the number of blocks (chosen when the processes start and
-            logged; ``num_stages`` holds it).
+            world size (with ``inter_node_every``: of the ranks of one node) that is at most the number
+            of blocks (chosen when the processes start and logged; ``num_stages`` holds it).
         split: ``K - 1`` block indices where stages ``1 .. K-1`` start; ``None`` balances the
             stages by measured per-block time.
         schedule: ``'fdg'`` (fully decoupled, staleness ``2(K-1-k)``), ``'ddg'`` (locked forward,
@@ -125,6 +126,14 @@ class DecoupledStrategy(PipelineStagesStrategy):
         module_attr: Dotted path of the ``nn.Sequential`` / ``nn.ModuleList`` of blocks on the
             LightningModule (any other module there is one block); ``None`` finds it (see "The
             model" above) or fails listing the candidates.
+        inter_node_every: ``None`` (default): every update's stage gradient is averaged over all
+            ``N`` replicas; on a multi-node job whose pipelines fit in a node, in two steps (over the
+            node's replicas, then across nodes), which equals the flat mean. ``m >= 1``: the
+            gradient mean stays inside the node, and the stages of different nodes meet every ``m``
+            of their updates by the ``inter_node`` rule (issue 20). Needs ``num_nodes > 1`` and
+            ``K`` dividing the ranks of a node.
+        inter_node: The cross-node rule with ``inter_node_every``: ``'localsgd'`` or ``'hpsgd'``
+            (see :mod:`lightning_hier.strategies._inter_node`).
         **kwargs: See :class:`~lightning_hier.strategies._base.HierStrategy` (``timeout``,
             ``start_method``, ``process_group_backend``).
 
@@ -148,6 +157,8 @@ class DecoupledStrategy(PipelineStagesStrategy):
         order: str = "forward_first",
         wire_dtype: str | None = None,
         link_gbps: float | None = None,
+        inter_node_every: int | None = None,
+        inter_node: str = "localsgd",
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -167,6 +178,7 @@ class DecoupledStrategy(PipelineStagesStrategy):
         )
         self.beta = v.check_float(owner, "beta", beta, low=0.0, high=1.0, low_inclusive=False)
         self.module_attr = pm.check_module_attr_argument(owner, module_attr)
+        self.inter_level = InterNodeLevel(owner, inter_node_every, inter_node)
         self._found_attr: str | None = None
         self._loss: TrainingStepLoss | None = None
         self.last_reports: list[IterationReport] = []
@@ -193,11 +205,23 @@ class DecoupledStrategy(PipelineStagesStrategy):
         attr = self._blocks_attr()
         blocks = len(pm.resolve_blocks(module, attr))
         world = self.world_size
-        self._num_stages = max(k for k in range(1, min(blocks, world) + 1) if world % k == 0)
+        # two levels: a pipeline must stay inside a node, so K divides the ranks of one node
+        room = world // self.num_nodes if self.inter_level.enabled else world
+        self._num_stages = max(k for k in range(1, min(blocks, room) + 1) if room % k == 0)
         rank_zero_info(
             f"decoupled: stages='auto' chose K={self._num_stages} stage(s) x N={world // self._num_stages} "
             f"replica(s) for the {blocks} block(s) of `{attr}` on {world} processes."
         )
+
+    @override
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        self.inter_level.check(self.topology)  # before any rank starts (stages='auto': only num_nodes)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self.inter_level.check(self.topology)  # K is known now, on every rank alike
 
     def _blocks_attr(self) -> str:
         """``module_attr``, or the path of the network found by the rule of :func:`find_network`."""
@@ -272,30 +296,22 @@ class DecoupledStrategy(PipelineStagesStrategy):
     def _setup_algorithm(self, trainer: pl.Trainer) -> None:
         module = self.lightning_module
         assert module is not None and self._cut is not None
-        if not module.automatic_optimization:
-            raise ValueError("DecoupledStrategy runs the optimizer steps itself: use automatic optimization.")
-        if trainer.accumulate_grad_batches != 1:
-            raise ValueError(
-                f"DecoupledStrategy: accumulate_grad_batches={trainer.accumulate_grad_batches} is not supported; the "
-                "pipeline applies one update per batch and stage (use a larger batch instead)."
-            )
-        optimizer = self._require_single_optimizer()
-        if isinstance(optimizer, torch.optim.LBFGS):
-            raise ValueError("DecoupledStrategy: LBFGS re-evaluates its closure; use an optimizer that steps once.")
         stage = self._cut.stage()
-        pm.check_optimizer_params(optimizer, stage)
+        pm.check_fit_settings(module, trainer.accumulate_grad_batches, self._require_single_optimizer(), stage)
         # step-wise schedulers advance every iteration, also on stages still waiting for their
         # first gradient; torch would warn that the first learning rate was skipped, which it is not
         warnings.filterwarnings(
             "ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before", category=UserWarning
         )
         topo, coords = self.topology, self.topology.coords(self.global_rank)
+        # periodic across nodes: the per-update mean stays in the node; else node, then across nodes
+        levels = (self.groups.data_intra, None) if self.inter_level.enabled else data_levels(self.groups)
         self.pipeline = DecoupledPipeline(
             stage,
             stage_index=coords.pipe,
             stage_ranks=topo.group_ranks("pipe", self.global_rank),
             pipe_group=self.groups.pipe,
-            data_group=self.groups.data,
+            data_group=levels,
             schedule=self.schedule,
             order=self.order,
             weights=self.weights,
@@ -306,6 +322,10 @@ class DecoupledStrategy(PipelineStagesStrategy):
             wire_dtype=pm.WIRE_DTYPES[self.wire_dtype],
             timeout=self._timeout,  # gloo bounds point-to-point waits by init_timeout otherwise
         )
+        runner = self.pipeline.runner
+        inter = self.inter_level.build(runner.params, self.groups, float_buffers(runner.module), self.comm_stats)
+        if inter is not None:
+            runner.adopt(inter.flat)  # the rule moved the stage's parameters into its buckets
 
     def _check_stage_gradients(self, grads: list[Tensor]) -> None:
         if not all_finite(grads):
@@ -353,6 +373,7 @@ class DecoupledStrategy(PipelineStagesStrategy):
         module = self.lightning_module
         assert module is not None
         self.precision_plugin.optimizer_step(self.optimizers[0], model=module, closure=_no_closure)
+        self.inter_level.step()  # counts this stage's updates; every inter_node_every of them, across nodes
         if self.check_finite:
             self._check_module("parameters", lambda p: p)
 

@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from typing_extensions import override
@@ -38,14 +37,10 @@ from lightning_hier.planner import Link, Links, best_grid, format_table, measure
 from lightning_hier.rng import capture_rng, restore_rng
 from lightning_hier.strategies import _checkpoint as ckpt
 from lightning_hier.strategies._base import HierStrategy
+from lightning_hier.strategies._grid_inputs import check_grid, input_shape, lookup, network_path
+from lightning_hier.strategies._inter_node import InterNodeLevel
 from lightning_hier.strategies._launchers import _ReportingLauncher
-from lightning_hier.strategies._user_model import (
-    defines_forward,
-    describe,
-    find_network,
-    first_input,
-    first_training_batch,
-)
+from lightning_hier.strategies._user_model import describe, find_network, first_input, first_training_batch
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -86,6 +81,14 @@ class Grid2DStrategy(HierStrategy):
             the choice may differ between runs: give both for a reproducible layout).
         beta: Seconds per word for ``'auto'``; ``None`` measures it.
         max_model: Largest Pr ``'auto'`` may choose (``None``: any); with a given ``grid`` it may not be below its Pr.
+        inter_node_every: ``None`` (default): one grid over every rank. ``m >= 1``: two levels (a
+            multi-node job, issue 20): the grid's MODEL dimension and its per-step BATCH gradient
+            reduction stay inside each node (the node's ``Pc / num_nodes`` batch blocks), and the
+            node replicas meet every ``m`` optimizer steps across nodes by the ``inter_node`` rule.
+            ``Pr`` must divide the ranks of a node (``'auto'`` then plans the node's grid).
+        inter_node: The cross-node rule: ``'localsgd'`` (mean of the node replicas every ``m``
+            steps) or ``'hpsgd'`` (HPSGD with window ``m``: the change's all-reduce overlaps the next
+            window). See :mod:`lightning_hier.strategies._inter_node`.
         **kwargs: See :class:`~lightning_hier.strategies._base.HierStrategy` (``timeout``,
             ``start_method``, ...).
 
@@ -110,11 +113,13 @@ class Grid2DStrategy(HierStrategy):
         alpha: float | None = None,
         beta: float | None = None,
         max_model: int | None = None,
+        inter_node_every: int | None = None,
+        inter_node: str = "localsgd",
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         owner = type(self).__name__
-        self._grid = _check_grid(owner, grid)
+        self._grid = check_grid(owner, grid)
         self.alpha = None if alpha is None else v.check_float(owner, "alpha", alpha, low=0.0)
         self.beta = None if beta is None else v.check_float(owner, "beta", beta, low=0.0)
         if (alpha is None) != (beta is None):
@@ -127,6 +132,7 @@ class Grid2DStrategy(HierStrategy):
                 f"{owner}: argument `max_model`={self.max_model} is below Pr={self._grid[0]} of grid={grid!r}; "
                 "max_model bounds what grid='auto' may choose: leave it None with a given grid, or give grid='auto'."
             )
+        self.inter_level = InterNodeLevel(owner, inter_node_every, inter_node)
         self.grid_stats = GridCommStats()
         self.comm_stats = self.grid_stats
         self.grid_context: GridContext | None = None
@@ -152,6 +158,11 @@ class Grid2DStrategy(HierStrategy):
             )
         return {"model": pr}
 
+    @property
+    def node_local(self) -> bool:
+        """Whether the grid is each node's (two levels: ``inter_node_every`` is set)."""
+        return self.inter_level.enabled
+
     @override
     def _resolve_layout(self) -> None:
         if self._grid is not None:
@@ -160,7 +171,7 @@ class Grid2DStrategy(HierStrategy):
             self._grid = (1, 1)
             return
         module = self.lightning_module
-        batch, shape = _lookup(module, "batch_size"), _input_shape(module)
+        batch, shape = lookup(module, "batch_size"), input_shape(module)
         if batch is not None and shape is not None:
             self._choose_grid(int(batch), shape)
         # else: setup() decides from the first training batch (a DataModule is set up only then);
@@ -174,7 +185,7 @@ class Grid2DStrategy(HierStrategy):
             links = measure_links(self.num_nodes)
         else:
             links = Link(self.alpha, self.beta)
-        network = _network_path(module)
+        network = network_path(module)
         if network is None:
             try:
                 find_network(module)
@@ -192,11 +203,13 @@ class Grid2DStrategy(HierStrategy):
                 f"and its forward failed ({type(err).__name__}: {err}); give grid=(Pr, Pc)."
             ) from err
         kwargs: dict[str, Any] = {"links": links, "batch_scope": "replica", "max_model": self.max_model}
-        plan = best_grid(layers, batch, self.world_size, **kwargs)
+        # two levels: the grid is a node's, so plan over the ranks of one node (Pr then divides them)
+        planned = self.world_size // self.num_nodes if self.node_local else self.world_size
+        plan = best_grid(layers, batch, planned, **kwargs)
         pr = int(broadcast_object(plan.pr, 0, dist.group.WORLD))  # measured links may differ per rank
         self._grid = (pr, self.world_size // pr)
         if self.global_rank == 0:
-            table = format_table(plan_grids(layers, batch, self.world_size, **kwargs))
+            table = format_table(plan_grids(layers, batch, planned, **kwargs))
             rank_zero_info(f"grid2d: grid='auto' chose Pr x Pc = {pr} x {self.world_size // pr}\n{table}")
 
     def _grid_from_first_batch(self, trainer: pl.Trainer) -> None:
@@ -216,18 +229,26 @@ class Grid2DStrategy(HierStrategy):
                 "first. Set them, or give grid=(Pr, Pc)."
             )
         self._first_input = x[:1]
-        batch_size = _lookup(module, "batch_size")
-        shape = _input_shape(module) or tuple(x.shape[1:])
+        batch_size = lookup(module, "batch_size")
+        shape = input_shape(module) or tuple(x.shape[1:])
         self._choose_grid(int(batch_size or x.shape[0]), shape, " (from the first training batch)")
         if self._grid != (1, self.world_size):
             self._groups = self.topology.build(self.global_rank, timeout=self._init_timeout)
             self._set_collective_timeout()
-            self.grid_context = GridContext.from_groups(self.groups, self.grid_stats, self._timeout)
+        if self._grid != (1, self.world_size) or self.node_local:
+            self._build_context()
+
+    def _build_context(self) -> None:
+        self.inter_level.check(self.topology)  # on every rank alike, once the grid is known
+        self.grid_context = GridContext.from_groups(self.groups, self.grid_stats, self._timeout, self.node_local)
 
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        self.grid_context = GridContext.from_groups(self.groups, self.grid_stats, self._timeout)
+        if self._grid is not None or not self.node_local:  # 'auto' undecided: checked once it is
+            self._build_context()
+        else:
+            self.grid_context = GridContext.from_groups(self.groups, self.grid_stats, self._timeout)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -240,7 +261,7 @@ class Grid2DStrategy(HierStrategy):
         """A one-sample input of the traced network (to check every layer at conversion), if known."""
         if network is None:
             return None
-        shape = _input_shape(module)
+        shape = input_shape(module)
         if shape is not None:
             ref = next(iter(module.parameters()), None)
             example = torch.zeros(1, *shape, dtype=ref.dtype if ref is not None else None)
@@ -273,7 +294,7 @@ class Grid2DStrategy(HierStrategy):
         if not is_grid_model(module):
             with torch.no_grad():  # every rank shards the same (rank 0's) network
                 broadcast_([t.data for t in [*module.parameters(), *module.buffers()]], 0, dist.group.WORLD)
-            network = _network_path(module)
+            network = network_path(module)
             to_grid(module, self.grid_context, self._example(module, network), network or "")
         return model
 
@@ -293,8 +314,10 @@ class Grid2DStrategy(HierStrategy):
                 f"{type(self).__name__}: gradient clipping by norm would use each rank's shard norm; use "
                 "gradient_clip_algorithm='value', or no clipping."
             )
-        assert self.lightning_module is not None and self.grid_context is not None
-        self.reducer = GradientReducer(self.lightning_module, self.grid_context)
+        module = self.lightning_module
+        assert module is not None and self.grid_context is not None
+        self.reducer = GradientReducer(module, self.grid_context)
+        self.inter_level.build(module.parameters(), self.groups, float_buffers(module), self.comm_stats)
 
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
@@ -307,6 +330,7 @@ class Grid2DStrategy(HierStrategy):
             return out
 
         output = super().optimizer_step(optimizer, backward_and_reduce, model, **kwargs)
+        self.inter_level.step()  # across nodes, every inter_node_every steps
         self._log({"comm/wire_bytes": self.grid_stats.wire_bytes})
         return output
 
@@ -314,19 +338,29 @@ class Grid2DStrategy(HierStrategy):
     @contextmanager
     @override
     def _consensus(self) -> Iterator[None]:
-        buffers = self._block_buffers()
-        saved = [b.clone() for b in buffers]
-        self._average_buffers(buffers)
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for b, s in zip(buffers, saved, strict=True):
-                    b.copy_(s)
+        with self.inter_level.consensus():  # the mean of the node replicas first (buffers included)
+            buffers = self._block_buffers()
+            saved = [b.clone() for b in buffers]
+            self._average_buffers(buffers)
+            try:
+                yield
+            finally:
+                with torch.no_grad():
+                    for b, s in zip(buffers, saved, strict=True):
+                        b.copy_(s)
 
     @override
     def _finalize_algorithm(self) -> None:
+        self.inter_level.finalize()
         self._average_buffers(self._block_buffers())
+
+    @override
+    def _algorithm_state(self) -> dict[str, Any]:
+        return self.inter_level.state_dict()
+
+    @override
+    def _load_algorithm_state(self, state: dict[str, Any]) -> None:
+        self.inter_level.load_state_dict(state)
 
     def _block_buffers(self) -> list[Tensor]:
         g, module = self.grid_context, self.lightning_module
@@ -362,6 +396,7 @@ class Grid2DStrategy(HierStrategy):
     @override
     def _configure_launcher(self) -> None:
         super()._configure_launcher()
+        self.inter_level.check(self.topology)  # before any rank starts (with grid='auto': only num_nodes is known)
         if isinstance(self._launcher, _ReportingLauncher):
             self._launcher = self._reporting_launcher(self._start_method, _GridLauncher)
 
@@ -376,33 +411,3 @@ class _GridLauncher(_ReportingLauncher):
         if output is not None and output.weights_path is not None:
             self._strategy.checkpoint_io.save_checkpoint(full, output.weights_path)
         return output
-
-
-def _check_grid(owner: str, grid: Any) -> tuple[int, int] | None:
-    if isinstance(grid, str) and grid == "auto":
-        return None
-    allowed = "'auto' or a pair (Pr, Pc) of integers >= 1"
-    pr, pc = v.check_int_list(owner, "grid", grid, minimum=1, length=2, allowed=allowed)
-    return (pr, pc)
-
-
-def _lookup(module: Any, name: str) -> Any:
-    return lightning_getattr(module, name) if module is not None and lightning_hasattr(module, name) else None
-
-
-def _input_shape(module: Any) -> tuple[int, ...] | None:
-    example = getattr(module, "example_input_array", None)
-    if isinstance(example, Tensor):
-        return tuple(example.shape[1:])
-    shape = _lookup(module, "input_shape")
-    return tuple(int(s) for s in shape) if shape is not None else None
-
-
-def _network_path(module: Any) -> str | None:
-    """Where to trace: ``""`` (the module's own forward), the network's path, or ``None`` (unknown)."""
-    if defines_forward(module):
-        return ""
-    try:
-        return find_network(module)
-    except ValueError:
-        return None

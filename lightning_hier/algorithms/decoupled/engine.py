@@ -45,8 +45,9 @@ from torch import Tensor, nn
 
 from lightning_hier.algorithms.decoupled.schedule import Schedule
 from lightning_hier.algorithms.decoupled.stage import InFlight, StageRunner
-from lightning_hier.comm import CommStats, Inbox, all_reduce_mean_
+from lightning_hier.comm import CommStats, Inbox
 from lightning_hier.comm.p2p import Mailbox, Parcel
+from lightning_hier.comm.two_level import two_level_mean_
 
 Group = dist.ProcessGroup | None
 # training keeps receives posted between iterations; evaluation's messages must not match them
@@ -87,7 +88,9 @@ class DecoupledPipeline:
         stage_index: ``k``, 0-based.
         stage_ranks: Global ranks of the ``K`` stages of this rank's replica, in stage order.
         pipe_group: Process group of ``stage_ranks`` (``None`` when ``K == 1``).
-        data_group: The data-parallel group of this stage (``None`` without replicas).
+        data_group: The data-parallel group of this stage (``None`` without replicas), or a pair
+            ``(node-local, cross-node)`` of groups for the same mean in two levels
+            (:func:`~lightning_hier.comm.two_level.two_level_mean_`; ``None``: that level has one rank).
         schedule: ``'fdg'``, ``'ddg'`` or ``'sync'`` (see :mod:`.schedule`).
         order: ``'forward_first'`` or ``'backward_first'`` (FDG's order, ``fdg`` only; see :mod:`.schedule`).
         weights: ``'stash'``, ``'recompute'`` or ``'legacy'`` (see :mod:`.stage`).
@@ -124,7 +127,7 @@ class DecoupledPipeline:
         stage_index: int,
         stage_ranks: Sequence[int],
         pipe_group: Group = None,
-        data_group: Group = None,
+        data_group: Group | tuple[Group, Group] = None,
         schedule: str = "fdg",
         order: str = "forward_first",
         weights: str = "stash",
@@ -147,7 +150,10 @@ class DecoupledPipeline:
             raise ValueError(f"DecoupledPipeline: `beta` must be in (0, 1], got {beta!r}.")
         self.k = stage_index
         self.ranks = list(stage_ranks)
-        self.data_group = data_group
+        intra, inter = data_group if isinstance(data_group, tuple) else (data_group, None)
+        self._levels: tuple[Group, Group] = (intra, inter)
+        self.data_groups: tuple[dist.ProcessGroup, ...] = tuple(g for g in self._levels if g is not None)
+        """The groups this stage's gradients are averaged over, node-local first."""
         self.beta = beta
         self.wire_dtype = wire_dtype
         self.loss_fn: LossFn = loss_fn if loss_fn is not None else _cross_entropy
@@ -326,9 +332,9 @@ class DecoupledPipeline:
         grads = self.runner.grads(leaves)
         if self.check_gradients is not None:
             self.check_gradients(grads)  # before the replicas' all-reduce could spread a NaN
-        if self.data_group is not None:
+        if self.data_groups:
             flat = self.runner.flatten(grads)
-            all_reduce_mean_(flat, self.data_group, self.stats)
+            two_level_mean_(flat, *self._levels, self.stats)
             grads = self.runner.flat.split(flat)
         self.runner.set_grads(grads)
         apply()

@@ -100,6 +100,19 @@ class StageRunner:
         self.buffer_names = [n for n, _ in module.named_buffers()]
         self.buffers = [b for _, b in module.named_buffers()]
 
+    def adopt(self, flat: FlatTensors) -> None:
+        """Use ``flat`` as the live buckets: another algorithm re-pointed the parameters into its own.
+
+        A cross-node rule (Local SGD, HPSGD) moves the stage's parameters into flat buckets of its
+        own; forwards must then read those, or they would see the stale first buckets.
+
+        Raises:
+            ValueError: If ``flat`` does not hold exactly this stage's parameters, aliased, in order.
+        """
+        if [id(t) for t in flat.tensors] != [id(p) for p in self.params] or not flat.is_aliased():
+            raise ValueError("StageRunner.adopt: the buckets must hold this stage's parameters, in order, as views.")
+        self.flat = flat
+
     @property
     def dtype(self) -> torch.dtype:
         """The dtype the stage computes in (that of its first parameter; float32 without parameters)."""
