@@ -83,9 +83,9 @@ def test_three_ranks_every_gradient_applied_once_and_every_rank_holds_the_server
     assert "ps/staleness_mean" in out[0]["metrics"]  # logged through the module
 
 
-def _fit_digits(ckpt_dir: str, epochs: int, resume: bool) -> dict:
+def _fit_digits(ckpt_dir: str, epochs: int, resume: bool, server: str) -> dict:
     module = digits_classifier()
-    strategy = SoftsyncStrategy(n=1, timeout=30)  # synchronous: a resumed run can be compared exactly
+    strategy = SoftsyncStrategy(n=1, server=server, timeout=30)  # synchronous: a resumed run compares exactly
     ckpt = ModelCheckpoint(dirpath=ckpt_dir, save_top_k=-1, every_n_epochs=1, filename="{epoch}")
     t = trainer(
         strategy=strategy,
@@ -102,14 +102,15 @@ def _fit_digits(ckpt_dir: str, epochs: int, resume: bool) -> dict:
     return {"stats": strategy.ps.stats(), "params": flat_params(module)}
 
 
-def test_resume_restores_the_server_and_checkpoints_hold_its_model(tmp_path):
-    first = run_workers(_fit_digits, str(tmp_path / "a"), 2, False, devices=3)
+@pytest.mark.parametrize("server", ["rank0", "dedicated"])
+def test_resume_restores_the_server_and_checkpoints_hold_its_model(tmp_path, server):
+    first = run_workers(_fit_digits, str(tmp_path / "a"), 2, False, server, devices=3)
     saved = torch.load(tmp_path / "a" / "epoch=1.ckpt", weights_only=False)
     # the checkpoint's state_dict is the server's model, which every rank holds after fit
     flat = torch.cat([v.reshape(-1) for v in saved["state_dict"].values()])
     assert torch.equal(flat, first[0]["params"]) and torch.equal(first[1]["params"], first[0]["params"])
-    resumed = run_workers(_fit_digits, str(tmp_path / "a"), 3, True, devices=3)
-    straight = run_workers(_fit_digits, str(tmp_path / "b"), 3, False, devices=3)
+    resumed = run_workers(_fit_digits, str(tmp_path / "a"), 3, True, server, devices=3)
+    straight = run_workers(_fit_digits, str(tmp_path / "b"), 3, False, server, devices=3)
     # the server's model, optimizer (momentum) and counters go on from the checkpoint
     assert resumed[0]["stats"]["ps/applied"] == straight[0]["stats"]["ps/applied"]
     assert resumed[0]["stats"]["ps/updates"] == straight[0]["stats"]["ps/updates"]
