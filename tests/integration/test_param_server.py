@@ -17,9 +17,9 @@ N, BATCH, EPOCHS = 48, 8, 2
 LR, MOMENTUM = 0.05, 0.9
 
 
-def _data(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(100 + rank)
-    return torch.randn(N, 1, 8, 8, generator=g), torch.randint(0, 10, (N,), generator=g)
+def _data(shard: int, n: int = N) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + shard)
+    return torch.randn(n, 1, 8, 8, generator=g), torch.randint(0, 10, (n,), generator=g)
 
 
 def _model() -> Classifier:
@@ -37,14 +37,19 @@ def _fit_shards(strategy: AsgdStrategy) -> dict:
     )
     t.fit(module, loader)
     assert strategy.ps is not None
-    return {"params": flat_params(module), "stats": strategy.ps.stats(), "metrics": dict(strategy.last_metrics)}
+    return {
+        "params": flat_params(module),
+        "stats": strategy.ps.stats(),
+        "metrics": dict(strategy.last_metrics),
+        "steps": t.global_step,
+    }
 
 
-def _sgd_reference(ranks: int) -> torch.Tensor:
-    """Single-process Nesterov SGD; each step on the concatenation of every rank's next batch."""
+def _sgd_reference(shards: list[int]) -> torch.Tensor:
+    """Single-process Nesterov SGD; each step on the concatenation of the shards' next batches."""
     net = _model().net
     opt = torch.optim.SGD(net.parameters(), lr=LR, momentum=MOMENTUM, nesterov=True)
-    data = [_data(r) for r in range(ranks)]
+    data = [_data(s) for s in shards]
     for _ in range(EPOCHS):
         for i in range(0, N, BATCH):
             x = torch.cat([d[0][i : i + BATCH] for d in data])
@@ -57,13 +62,13 @@ def _sgd_reference(ranks: int) -> torch.Tensor:
 
 def test_asgd_with_one_worker_equals_plain_sgd_exactly():
     (out,) = run_workers(_fit_shards, AsgdStrategy(timeout=30), devices=1)
-    assert torch.equal(out["params"], _sgd_reference(1))
+    assert torch.equal(out["params"], _sgd_reference([0]))
     assert out["stats"]["ps/staleness_max"] == 0.0 and out["stats"]["ps/applied"] == EPOCHS * N / BATCH
 
 
 def test_softsync_n1_equals_synchronous_sgd_on_the_concatenated_batches():
     out = run_workers(_fit_shards, SoftsyncStrategy(n=1, timeout=30), devices=2)
-    ref = _sgd_reference(2)
+    ref = _sgd_reference([0, 1])
     for o in out:
         torch.testing.assert_close(o["params"], ref, atol=1e-6, rtol=0)
     steps = EPOCHS * N // BATCH

@@ -1,7 +1,5 @@
 """``asgd`` / ``softsync`` with ``server='dedicated'`` under a real Trainer: rank 0 only serves."""
 
-import os
-
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -9,38 +7,11 @@ from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_hier import AsgdStrategy, SoftsyncStrategy
-from lightning_hier.models import Classifier, mlp
 from lightning_hier.testing import run_workers
 from tests.helpers import flat_params, trainer
+from tests.integration.test_param_server import BATCH, EPOCHS, N, _data, _fit_shards, _model, _sgd_reference
 
-N, BATCH, EPOCHS = 48, 8, 2
-LR, MOMENTUM = 0.05, 0.9
 STEPS = EPOCHS * N // BATCH
-
-
-def _data(shard: int, n: int = N) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(100 + shard)
-    return torch.randn(n, 1, 8, 8, generator=g), torch.randint(0, 10, (n,), generator=g)
-
-
-def _model() -> Classifier:
-    torch.manual_seed(0)
-    return Classifier(mlp((1, 8, 8), 10, hidden=(16,)), 10, lr=LR, momentum=MOMENTUM, nesterov=True)
-
-
-def _sgd_reference(shards: list[int]) -> torch.Tensor:
-    """Single-process Nesterov SGD; each step on the concatenation of the shards' next batches."""
-    net = _model().net
-    opt = torch.optim.SGD(net.parameters(), lr=LR, momentum=MOMENTUM, nesterov=True)
-    data = [_data(s) for s in shards]
-    for _ in range(EPOCHS):
-        for i in range(0, N, BATCH):
-            x = torch.cat([d[0][i : i + BATCH] for d in data])
-            y = torch.cat([d[1][i : i + BATCH] for d in data])
-            opt.zero_grad()
-            torch.nn.functional.cross_entropy(net(x), y).backward()
-            opt.step()
-    return torch.cat([p.detach().reshape(-1) for p in net.parameters()])
 
 
 class _Seen(Callback):
@@ -61,21 +32,11 @@ class _Seen(Callback):
         self.val_params.append(flat_params(pl_module))
 
 
-def _fit_own_shards(strategy: AsgdStrategy) -> dict:
-    """Worker ``r`` trains on shard ``r`` in order; rank 0 (the server) gets shard 0 (logs only)."""
-    module = _model()
-    x, y = _data(int(os.environ["RANK"]))
-    loader = DataLoader(TensorDataset(x, y), batch_size=BATCH, shuffle=False)
-    t = trainer(
-        strategy=strategy, devices=int(os.environ["WORLD_SIZE"]), max_epochs=EPOCHS, use_distributed_sampler=False
-    )
-    t.fit(module, loader)
-    assert strategy.ps is not None
-    return {"params": flat_params(module), "stats": strategy.ps.stats(), "steps": t.global_step}
+# _fit_shards: worker r trains on shard r in order; rank 0, the server, reads shard 0 for its logs only
 
 
 def test_dedicated_server_with_one_worker_equals_plain_sgd_exactly():
-    out = run_workers(_fit_own_shards, AsgdStrategy(server="dedicated", timeout=30), devices=2)
+    out = run_workers(_fit_shards, AsgdStrategy(server="dedicated", timeout=30), devices=2)
     ref = _sgd_reference([1])  # rank 1 is the only worker; rank 0's batches are not learnt from
     for o in out:
         assert torch.equal(o["params"], ref)
@@ -86,7 +47,7 @@ def test_dedicated_server_with_one_worker_equals_plain_sgd_exactly():
 
 
 def test_dedicated_softsync_n1_equals_synchronous_sgd_on_the_two_workers_batches():
-    out = run_workers(_fit_own_shards, SoftsyncStrategy(n=1, server="dedicated", timeout=30), devices=3)
+    out = run_workers(_fit_shards, SoftsyncStrategy(n=1, server="dedicated", timeout=30), devices=3)
     ref = _sgd_reference([1, 2])
     for o in out:
         torch.testing.assert_close(o["params"], ref, atol=1e-6, rtol=0)
