@@ -7,16 +7,25 @@ the other, without and with a straggler (rank 1 slowed by ``--factors``, the lib
 the same bytes per epoch (DDP: ``tau`` times more). At the end, on rank 0, the consensus model's
 flatness on fixed training batches (eval mode): Hutchinson's estimate of the Hessian trace and the
 top Hessian eigenvalue by power iteration (:mod:`lightning_hier.algorithms.flatness`), as the
-authors' shipped table reports. Run from the repository root::
+authors' shipped table reports. Two workloads: ``digits`` (the MLP on the 8x8 digits) and
+``cifar10`` (the small CNN of the ``grawa_cnn`` benchmark on a CIFAR-10 subset, the released
+script's optimizer with a warm-up).
+Run from the repository root::
 
     python -m benchmarks.studies.grawa_flatness --epochs 6 --seeds 0 --factors 1 4
+    python -m benchmarks.studies.grawa_flatness --workload cifar10 --train-size 4000 --epochs 3 \
+        --seeds 0 --factors 1 --out rows-1x-s0.json       # one locked run per (factor, seed)
+    python -m benchmarks.studies.grawa_flatness --tables rows-*.json   # the merged table
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -28,19 +37,22 @@ from benchmarks.studies._trainer import quiet_trainer
 from lightning_hier import EasgdStrategy, GrawaStrategy, LocalSGDStrategy, LsgdStrategy
 from lightning_hier.algorithms.flatness import hutchinson_trace, top_eigenvalue
 from lightning_hier.callbacks import Straggler
-from lightning_hier.data import DigitsDataModule
-from lightning_hier.models import Classifier, mlp
+from lightning_hier.data import CIFAR10DataModule, DigitsDataModule
+from lightning_hier.data.arrays import Arrays
+from lightning_hier.data.datamodule import ArrayDataModule
+from lightning_hier.models import Classifier, mlp, small_cnn
 from lightning_hier.testing import run_workers
 
 METHODS = ("ddp", "localsgd", "easgd", "lsgd", "mgrawa", "lgrawa", "mgrawa_async", "lgrawa_async")
 
 
 class _Timeline(Callback):
-    """Validation accuracy with the wall time since the start of fit, at every validation."""
+    """Validation accuracy with the wall time since the start of fit and rank 0's bytes, at every validation."""
 
     def __init__(self) -> None:
         self.start = time.perf_counter()
         self.points: list[tuple[float, float]] = []
+        self.bytes: list[tuple[float, float]] = []
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -49,7 +61,18 @@ class _Timeline(Callback):
     @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not trainer.sanity_checking:
-            self.points.append((time.perf_counter() - self.start, float(trainer.callback_metrics["val/acc"])))
+            acc = float(trainer.callback_metrics["val/acc"])
+            self.points.append((time.perf_counter() - self.start, acc))
+            self.bytes.append((_bytes_sent(trainer), acc))
+
+
+def _bytes_sent(trainer: pl.Trainer) -> float:
+    """Rank 0's payload bytes so far (DDP: P floats per step, counted; it keeps no account)."""
+    stats = getattr(trainer.strategy, "comm_stats", None)
+    if stats is not None:
+        return float(stats.bytes)
+    module = trainer.lightning_module
+    return float(4 * sum(p.numel() for p in module.parameters()) * trainer.global_step)
 
 
 def _strategy(method: str, tau: int) -> Any:
@@ -64,9 +87,43 @@ def _strategy(method: str, tau: int) -> Any:
     return cls(tau=tau, **common)
 
 
-def _flatness(module: Classifier, dm: DigitsDataModule, batches: int, probes: int) -> tuple[float, float]:
+class _CifarSubset(CIFAR10DataModule):
+    """CIFAR-10 validated on ``val_size`` test images (a fixed random subset: the files are class by class)."""
+
+    def __init__(self, val_size: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.val_size = val_size
+
+    @override
+    def load_arrays(self) -> Arrays:
+        a = super().load_arrays()
+        keep = torch.randperm(len(a.y_val), generator=torch.Generator().manual_seed(0))[: self.val_size]
+        return dataclasses.replace(a, x_val=a.x_val[keep], y_val=a.y_val[keep])
+
+
+def _workload(args: argparse.Namespace) -> tuple[ArrayDataModule, Classifier]:
+    """The data and a fresh model of ``args.workload`` (seed the RNG first)."""
+    if args.workload == "digits":
+        return DigitsDataModule(batch_size=32), Classifier(mlp((1, 8, 8), 10, hidden=tuple(args.hidden)), 10, lr=0.1)
+    dm = _CifarSubset(args.val_size, root=args.data_root, train_size=args.train_size, batch_size=args.batch_size)
+    # the grawa_cifar10_cnn recipe's optimizer (the released script's, plus a warm-up)
+    module = Classifier(
+        small_cnn((3, 32, 32), 10),
+        10,
+        lr=0.1,
+        momentum=0.9,
+        nesterov=True,
+        weight_decay=1e-4,
+        scheduler="cosine",
+        warmup_steps=args.warmup,
+    )
+    return dm, module
+
+
+def _flatness(module: Classifier, dm: ArrayDataModule, args: argparse.Namespace) -> tuple[float, float]:
     loader = dm.train_dataloader()
-    data = [b for _, b in zip(range(batches), loader, strict=False)]
+    # normalised as in validation (the trainer is not training, so no augmentation)
+    data = [dm.on_after_batch_transfer(b, 0) for _, b in zip(range(args.flat_batches), loader, strict=False)]
     module.eval()
     params = [p for p in module.parameters() if p.requires_grad]
 
@@ -74,19 +131,18 @@ def _flatness(module: Classifier, dm: DigitsDataModule, batches: int, probes: in
         x, y = batch
         return torch.nn.functional.cross_entropy(module(x), y)
 
-    trace = hutchinson_trace(params, loss, data, probes=probes, seed=0).trace
-    eig = top_eigenvalue(params, loss, data, max_iterations=100, tol=1e-3, seed=0).eigenvalue
+    trace = hutchinson_trace(params, loss, data, probes=args.probes, seed=0).trace
+    eig = top_eigenvalue(params, loss, data, max_iterations=args.power_iterations, tol=1e-3, seed=0).eigenvalue
     return trace, eig
 
 
 def _work(args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
-    dm = DigitsDataModule(batch_size=32)
     for factor in args.factors:
         for seed in args.seeds:
             for method in args.methods:
                 torch.manual_seed(seed)
-                module = Classifier(mlp((1, 8, 8), 10, hidden=tuple(args.hidden)), 10, lr=0.1)
+                dm, module = _workload(args)
                 timeline = _Timeline()
                 callbacks: list[Callback] = [timeline]
                 if factor > 1:
@@ -102,10 +158,8 @@ def _work(args: argparse.Namespace) -> list[dict[str, Any]]:
                 trainer.fit(module, datamodule=dm)
                 wall = time.perf_counter() - start
                 acc = float(trainer.validate(module, datamodule=dm, verbose=False)[0]["val/acc"])
-                steps = trainer.global_step
-                params = sum(p.numel() for p in module.parameters())
-                sent = 4 * params * steps if method == "ddp" else trainer.strategy.comm_stats.bytes  # type: ignore[attr-defined]
-                trace, eig = _flatness(module, dm, args.flat_batches, args.probes) if trainer.is_global_zero else (0, 0)
+                sent = _bytes_sent(trainer)
+                trace, eig = _flatness(module, dm, args) if trainer.is_global_zero else (0, 0)
                 metrics = getattr(trainer.strategy, "last_metrics", {})
                 rows.append(
                     {
@@ -116,6 +170,7 @@ def _work(args: argparse.Namespace) -> list[dict[str, Any]]:
                         "wall_s": wall,
                         "bytes": sent,
                         "timeline": timeline.points,
+                        "bytes_timeline": timeline.bytes,
                         "trace": trace,
                         "eig": eig,
                         "staleness": metrics.get("ps/staleness_mean"),
@@ -125,7 +180,8 @@ def _work(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def _acc_at(points: list[tuple[float, float]], t: float) -> float | None:
-    before = [acc for s, acc in points if s <= t]
+    """The last accuracy reached at or before ``t`` (seconds or bytes); ``None`` before the first point."""
+    before = [acc for s, acc in points if s <= t * (1 + 1e-9)]
     return before[-1] if before else None
 
 
@@ -134,20 +190,26 @@ def _mean(values: list[Any], spec: str) -> str:
     return format(statistics.mean(present), spec) if present else "-"
 
 
-def _table(rows: list[dict[str, Any]], methods: list[str], factors: list[float]) -> str:
+def _table(rows: list[dict[str, Any]]) -> str:
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    factors = sorted({r["factor"] for r in rows})
     lines = [
-        "| straggler | method | acc (end) | acc at t* | wall s | MB sent (rank 0) | Hessian trace | top eigenvalue "
-        "| staleness |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| straggler | method | seeds | acc (end) | acc at t* | acc at b* | wall s | MB sent (rank 0) | Hessian trace "
+        "| top eigenvalue | staleness |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for factor in factors:
         sel = [r for r in rows if r["factor"] == factor]
-        t_star = min(statistics.mean(r["wall_s"] for r in sel if r["method"] == m) for m in methods)
-        for m in methods:
+        present = [m for m in methods if any(r["method"] == m for r in sel)]
+        t_star = min(statistics.mean(r["wall_s"] for r in sel if r["method"] == m) for m in present)
+        b_star = min(statistics.mean(r["bytes"] for r in sel if r["method"] == m) for m in present)
+        for m in present:
             rs = [r for r in sel if r["method"] == m]
             cells = [
+                str(len(rs)),
                 _mean([r["acc"] for r in rs], ".4f"),
                 _mean([_acc_at(r["timeline"], t_star) for r in rs], ".4f"),
+                _mean([_acc_at(r.get("bytes_timeline", []), b_star) for r in rs], ".4f"),
                 _mean([r["wall_s"] for r in rs], ".1f"),
                 _mean([r["bytes"] / 1e6 for r in rs], ".1f"),
                 _mean([r["trace"] for r in rs], ".2f"),
@@ -155,23 +217,40 @@ def _table(rows: list[dict[str, Any]], methods: list[str], factors: list[float])
                 _mean([r["staleness"] for r in rs], ".2f"),
             ]
             lines.append(f"| {factor:g}x | {m} | " + " | ".join(cells) + " |")
-        lines.append(f"| {factor:g}x | t* = {t_star:.1f} s (fastest mean wall time) | | | | | | | |")
+        lines.append(
+            f"| {factor:g}x | t* = {t_star:.1f} s (fastest mean wall time), b* = {b_star / 1e6:.1f} MB "
+            "(fewest mean bytes) | | | | | | | | | |"
+        )
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--workload", default="digits", choices=("digits", "cifar10"))
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     parser.add_argument("--epochs", type=int, default=6)
     parser.add_argument("--tau", type=int, default=8)
-    parser.add_argument("--hidden", nargs="+", type=int, default=[256, 256])
+    parser.add_argument("--hidden", nargs="+", type=int, default=[256, 256], help="digits MLP widths")
+    parser.add_argument("--data-root", default="../shared/datasets/cifar10-jpeg.tar.gz", help="cifar10 source")
+    parser.add_argument("--train-size", type=int, default=4000, help="cifar10 training subset")
+    parser.add_argument("--val-size", type=int, default=2000, help="cifar10 validation images (test subset)")
+    parser.add_argument("--batch-size", type=int, default=64, help="cifar10 batch per rank")
+    parser.add_argument("--warmup", type=int, default=20, help="cifar10 warm-up steps")
     parser.add_argument("--seeds", nargs="+", type=int, default=[0])
     parser.add_argument("--factors", nargs="+", type=float, default=[1.0, 4.0])
     parser.add_argument("--flat-batches", type=int, default=8)
     parser.add_argument("--probes", type=int, default=32)
+    parser.add_argument("--power-iterations", type=int, default=100)
+    parser.add_argument("--out", help="also write the rows to this JSON file")
+    parser.add_argument("--tables", nargs="+", help="print the table of these JSON files of rows; train nothing")
     args = parser.parse_args()
-    rows = run_workers(_work, args, devices=2, timeout=3600)[0]
-    print(_table(rows, args.methods, args.factors))
+    if args.tables:
+        rows = [r for path in args.tables for r in json.loads(Path(path).read_text())]
+    else:
+        rows = run_workers(_work, args, devices=2, timeout=3600)[0]
+        if args.out:
+            Path(args.out).write_text(json.dumps(rows))
+    print(_table(rows))
 
 
 if __name__ == "__main__":

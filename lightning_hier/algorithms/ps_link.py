@@ -17,7 +17,22 @@ from lightning_hier.algorithms.param_server import ServerCore
 from lightning_hier.algorithms.ps_service import Group, ParameterServer, Worker, connect
 
 SERVER_RANK = 0
-"""The rank whose thread serves in the strategies (it trains too, as the authors' codes do)."""
+"""The rank whose thread serves in the strategies (it trains too, as the authors' codes do, unless
+the strategy's ``server='dedicated'``: then it only serves)."""
+SERVERS = ("rank0", "dedicated")
+"""Where the strategies' server runs: a thread of rank 0, which trains too, or rank 0 serving only."""
+
+
+def served_workers(world: int, server: str) -> list[int]:
+    """The global ranks that train and talk to the server: every rank, or all but rank 0 when dedicated."""
+    return list(range(1 if server == "dedicated" else 0, world))
+
+
+def require_worker(link: ServerLink) -> Worker:
+    """``link``'s worker; a clear error on a rank that only serves (a bug in the caller)."""
+    if link.worker is None:
+        raise RuntimeError(f"rank {SERVER_RANK} only serves (server='dedicated'): it has no worker.")
+    return link.worker
 
 
 @dataclass
@@ -31,13 +46,13 @@ class ServerLink:
 
     Args:
         server: The server, on its own rank only (``None`` elsewhere).
-        worker: This rank's worker.
+        worker: This rank's worker (``None`` on a server rank that only serves).
         timeout: See :class:`ParameterServer`.
         serving: Whether the server serves this rank now (it does once :func:`connect` returns).
     """
 
     server: ParameterServer | None
-    worker: Worker
+    worker: Worker | None
     timeout: timedelta
     serving: bool = True
 
@@ -52,7 +67,8 @@ class ServerLink:
         """This worker says ``DONE``; the server's rank waits until every worker has (a no-op when paused)."""
         if not self.serving:
             return
-        self.worker.done()
+        if self.worker is not None:
+            self.worker.done()
         self.serving = False
         if self.server is not None:
             # the other ranks say DONE right after the same collective point: allow each the silence limit

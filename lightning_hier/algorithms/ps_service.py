@@ -339,8 +339,11 @@ def connect(
     server: int,
     timeout: timedelta,
     order: Sequence[int] | None = None,
-) -> tuple[ParameterServer | None, Worker]:
+) -> tuple[ParameterServer | None, Worker | None]:
     """Build this rank's side: the server (on ``server``, started) and this rank's :class:`Worker`.
+
+    The server's rank gets a worker (calling in-process) when it is one of the core's workers,
+    none when it only serves (a dedicated server rank).
 
     Args:
         core_factory: Called with no argument on the server's rank to build the :class:`ServerCore`.
@@ -353,5 +356,5 @@ def connect(
     if rank == server:
         ps = ParameterServer(core_factory(), group, rank, timeout, order)
         ps.start()
-        return ps, Worker(rank, LocalClient(ps))
+        return ps, Worker(rank, LocalClient(ps)) if rank in ps.core.workers else None
     return None, Worker(rank, RemoteClient(server, group, timeout))

@@ -16,10 +16,16 @@
   collective. The next training batch starts it again.
 - **Consensus.** The server's parameters (and rank 0's buffers, e.g. BatchNorm statistics) are
   broadcast into every rank's module for validation and saving, and left there after fit.
+- **Dedicated server** (``server='dedicated'``). Rank 0 only serves: the workers are ranks
+  ``1..W-1``. Rank 0 still runs Lightning's loop with as many steps as the workers (so every
+  collective point lines up), but instead of pushing it *keeps pace*: its step ``k`` waits until the
+  server has applied ``k`` gradients of every worker, then sets the server's learning rate from its
+  own schedule and loads the server's model (:meth:`PSAdapter.keep_pace`).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -31,11 +37,13 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_hier.algorithms.param_server import PUSH, Handler, ServerCore
-from lightning_hier.algorithms.ps_link import SERVER_RANK, ServerLink
+from lightning_hier.algorithms.ps_link import SERVER_RANK, ServerLink, require_worker, served_workers
 from lightning_hier.algorithms.ps_rules import FlatModel
 from lightning_hier.algorithms.ps_service import ParameterServer
 from lightning_hier.comm import CommStats, broadcast_
 
+PACE_POLL_S = 0.002
+"""How often a dedicated server rank looks at the count of applied gradients (see :meth:`PSAdapter.keep_pace`)."""
 HandlerFactory = Callable[[FlatModel, int], Handler]
 """Builds the update rule from the server's model and the number of workers."""
 
@@ -67,10 +75,12 @@ class PSAdapter:
         handler: Builds the update rule on rank 0.
         group: The dedicated service group.
         rank: This global rank.
-        world: Number of ranks (every rank is a worker).
+        world: Number of ranks.
         timeout: See :class:`~lightning_hier.algorithms.ps_service.ParameterServer`.
         stats: Communication accounting: bytes pushed, and the wait for each reply counted as
             blocked time (so DBS's speed measurement leaves it out).
+        server: ``'rank0'`` (rank 0 serves and trains: every rank is a worker) or ``'dedicated'``
+            (rank 0 only serves; see the module docstring).
     """
 
     def __init__(
@@ -83,8 +93,10 @@ class PSAdapter:
         world: int,
         timeout: timedelta,
         stats: CommStats | None = None,
+        server: str = "rank0",
     ) -> None:
         self.module, self.optimizer = module, optimizer
+        self.workers = served_workers(world, server)
         self.comm_stats = stats if stats is not None else CommStats()
         self.params = list(module.parameters())
         self.rank, self.world, self.group, self.timeout = rank, world, group, timeout
@@ -94,6 +106,7 @@ class PSAdapter:
         self._core: ServerCore | None = None
         self._restored: dict[str, Any] | None = None
         self._model: FlatModel | None = None
+        self._paced = 0  # contributions rank 0 (serving only) has waited for so far
 
     @property
     def server(self) -> ParameterServer | None:
@@ -108,7 +121,7 @@ class PSAdapter:
     def _build_core(self) -> ServerCore:
         if self._core is None:
             self._model = FlatModel(self.params, copy_optimizer(self.optimizer, self.module))
-            self._core = ServerCore(self._handler(self._model, self.world), list(range(self.world)))
+            self._core = ServerCore(self._handler(self._model, len(self.workers)), self.workers)
             if self._restored is not None:
                 self._core.load_state_dict(self._restored)
                 self._restored = None
@@ -120,9 +133,20 @@ class PSAdapter:
             return
         if self.link is None:
             self.link = ServerLink.connect(self._build_core, self.group, self.rank, SERVER_RANK, self.timeout)
+            if self.server is not None:
+                self._paced = self.server.core.stats.applied  # restored from a checkpoint, or 0
         else:
             self.link.resume()
-        self._load(self.link.worker.pull()[0])
+        if self.link.worker is None:  # rank 0, serving only
+            assert self.server is not None
+            self._load(self.server.consensus()[0])
+        else:
+            self._load(self.link.worker.pull()[0])
+
+    @property
+    def serves_only(self) -> bool:
+        """This rank is a dedicated server: it neither computes gradients nor pushes."""
+        return self.rank not in self.workers
 
     def _load(self, flat: Tensor) -> None:
         flat = flat.to(self.params[0].device)
@@ -143,8 +167,45 @@ class PSAdapter:
             self._follow_learning_rate()
         self.comm_stats.add(flat.numel() * flat.element_size())
         with self.comm_stats.blocked():
-            reply = self.link.worker.call(PUSH, [flat.cpu()], batch_size=batch_size)[0]
+            reply = require_worker(self.link).call(PUSH, [flat.cpu()], batch_size=batch_size)[0]
         self._load(reply)
+
+    def keep_pace(self) -> None:
+        """Rank 0 serving only: hand the server this step's learning rate, wait for the step, load.
+
+        Every worker contributes one gradient per step, so rank 0's step ``k`` waits until ``k``
+        times the number of workers have been applied (counted from the start of this fit). Rank 0
+        thus stays at most a step ahead of the slowest worker, and its logs come at the workers'
+        cadence. Its learning rate for step ``k`` is handed to the server before the wait, so the
+        gradients of step ``k`` use it, except one pushed before rank 0 reached step ``k`` (a
+        worker running ahead), which gets step ``k - 1``'s: a schedule is followed up to that race.
+
+        Raises:
+            Exception: The serving thread's error (e.g. a :class:`~lightning_hier.comm.p2p.PeerError`
+                naming a silent worker).
+            TimeoutError: The count is not reached within twice ``timeout`` (the server names a
+                silent worker within ``timeout``: this only guards against a hung server).
+        """
+        server = self.server
+        assert server is not None and self.serves_only and self.running
+        self._follow_learning_rate()
+        self._paced += len(self.workers)
+        limit = 2 * self.timeout.total_seconds() + 1
+        deadline = time.monotonic() + limit
+        while True:
+            if server.error is not None:
+                raise server.error
+            with server.lock:
+                applied = server.core.stats.applied
+            if applied >= self._paced:
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"lightning_hier parameter server (rank {self.rank}): {applied} of {self._paced} gradients "
+                    f"applied after {limit:g} s."
+                )
+            time.sleep(PACE_POLL_S)
+        self._load(server.consensus()[0])
 
     def step_through_server(self, optimizer: Optimizer, run_step: Callable[[], Any], push: Callable[[], None]) -> Any:
         """Run Lightning's optimizer step ``run_step`` with ``optimizer.step`` replaced by closure + ``push``.

@@ -21,6 +21,7 @@ from lightning_hier import _validate as v
 from lightning_hier.algorithms.centers import CenterPolicy
 from lightning_hier.algorithms.grawa import DEFAULT_BETA, NORMS, VARIANTS, GradientWeightedCenter, probe_grad_norms
 from lightning_hier.algorithms.grawa_async import AsyncGradientWeightedCenter
+from lightning_hier.algorithms.ps_link import require_worker
 from lightning_hier.comm import CommStats, all_reduce_mean_
 from lightning_hier.comm.collectives import Group
 from lightning_hier.strategies._async_rounds import AsyncRounds
@@ -182,7 +183,7 @@ class GrawaStrategy(AveragingStrategy):
             policy = self.algorithm.policy
             assert isinstance(policy, AsyncGradientWeightedCenter)
             self._async = AsyncRounds.start(self.topology, self.algorithm.flat, self.variant, self._timeout)
-            policy.connect(self._async.worker.call, self.barrier)
+            policy.connect(require_worker(self._async).call, self.barrier)
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:

@@ -19,10 +19,13 @@ from collections.abc import Callable
 from contextlib import contextmanager, suppress
 from typing import TYPE_CHECKING, Any
 
+import torch
+from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.data import extract_batch_size
 from typing_extensions import override
 
 from lightning_hier import _validate as v
+from lightning_hier.algorithms.ps_link import SERVERS, served_workers
 from lightning_hier.algorithms.ps_rules import AsgdHandler, SoftsyncHandler
 from lightning_hier.strategies._base import HierStrategy
 from lightning_hier.strategies._ps_adapter import HandlerFactory, PSAdapter
@@ -39,12 +42,66 @@ class ParameterServerWorker(HierStrategy):
     """What a strategy needs to train through the parameter server (not registered itself).
 
     Subclasses implement :meth:`_handler`; :meth:`_push_weight` scales the pushed gradient (1).
-    The server is rank 0's thread; every rank, rank 0 included, is a worker.
+    The server is rank 0's thread; every rank, rank 0 included, is a worker, unless
+    :attr:`server` is ``'dedicated'``: then rank 0 only serves (see :meth:`_init_server`).
     """
 
     ps: PSAdapter | None = None
+    server: str = "rank0"
     _service_group: Any = None
     _batch_samples = 0
+
+    def _init_server(self, server: str) -> None:
+        """Check and keep the ``server`` argument (``'rank0'`` or ``'dedicated'``)."""
+        self.server = v.check_choice(type(self).__name__, "server", server, SERVERS)
+
+    @property
+    def num_workers(self) -> int:
+        """Ranks that compute gradients: ``W``, or ``W - 1`` with a dedicated server (layout arithmetic)."""
+        return len(served_workers(self.topology.world_size, self.server))
+
+    @override
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        world = self.topology.world_size  # in the main process, before any rank starts
+        if self.server == "dedicated" and world < 2:
+            raise ValueError(
+                f"{type(self).__name__}: argument `server`='dedicated' needs at least 2 ranks (rank 0 only serves), "
+                f"got {world}; use server='rank0' or more devices."
+            )
+
+    @property
+    def _serves_only(self) -> bool:
+        """This rank is the dedicated server: no gradients, no pushes."""
+        return self.server == "dedicated" and self.global_rank == 0
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Training data split over the workers; with a dedicated server, rank 0 shares the first shard.
+
+        Rank 0 then runs ``training_step`` without gradients on the first worker's batches (for its
+        logs only), so every training sample is learnt from exactly once. Other stages: every rank.
+        """
+        module = self.lightning_module
+        trainer = module._trainer if module is not None else None
+        training = trainer is not None and trainer.state.stage == RunningStage.TRAINING
+        if self.server != "dedicated" or not training:
+            return super().distributed_sampler_kwargs
+        return {"num_replicas": self.num_workers, "rank": max(self.global_rank - 1, 0)}
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if not self._serves_only:
+            return super().training_step(*args, **kwargs)
+        # the dedicated server rank: the module's step runs for its logs (a `sync_dist` log or a
+        # torchmetrics sync is a collective every rank must join), without a graph; no gradient
+        with torch.no_grad():
+            output = super().training_step(*args, **kwargs)
+        zero = torch.zeros((), device=self.root_device, requires_grad=True)
+        if isinstance(output, dict):
+            return {**output, "loss": zero}
+        return zero if output is not None else None
 
     def _handler(self) -> HandlerFactory:
         """The server's update rule."""
@@ -69,6 +126,7 @@ class ParameterServerWorker(HierStrategy):
             self.world_size,
             self._timeout,
             self.comm_stats,
+            self.server,
         )
 
     @override
@@ -90,9 +148,12 @@ class ParameterServerWorker(HierStrategy):
         ps = self.ps
         assert ps is not None
         try:
-            output = ps.step_through_server(
-                optimizer, run_step, lambda: ps.push(self._push_weight(), self._batch_samples)
-            )
+            if self._serves_only:
+                output = ps.step_through_server(optimizer, run_step, ps.keep_pace)
+            else:
+                output = ps.step_through_server(
+                    optimizer, run_step, lambda: ps.push(self._push_weight(), self._batch_samples)
+                )
         finally:
             self._batch_samples = 0
         self._log_server_stats(ps.stats())
@@ -156,6 +217,16 @@ class AsgdStrategy(ParameterServerWorker):
 
     Args:
         staleness_lr: Divide the learning rate of a gradient of staleness ``s > 1`` by ``s``.
+        server: ``'rank0'`` (default): the server is a thread of rank 0, which trains too (as in the
+            authors' codes). ``'dedicated'``: rank 0 only serves (at least 2 ranks): the training
+            data is split over the ``W - 1`` other ranks, the workers. Rank 0 still runs Lightning's
+            loop, one step per worker step: it runs ``training_step`` without gradients on the first
+            worker's batches, for its logs only (so its ``train/...`` metrics are the server's
+            model on those batches), and its step waits until the server has applied that step's
+            gradient of every worker, then hands the server its learning rate. Validation,
+            checkpoints and every rank's module after fit hold the server's model, as with
+            ``'rank0'``. With a user's own sharding (``use_distributed_sampler=False``) rank 0's
+            loader still sets the number of steps.
         **kwargs: See :class:`~lightning_hier.strategies._base.HierStrategy` (``timeout``: also the
             longest a worker may stay silent between two requests).
 
@@ -167,9 +238,10 @@ class AsgdStrategy(ParameterServerWorker):
 
     strategy_name = "asgd"
 
-    def __init__(self, staleness_lr: bool = False, **kwargs: Any) -> None:
+    def __init__(self, staleness_lr: bool = False, server: str = "rank0", **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.staleness_lr = v.check_bool(type(self).__name__, "staleness_lr", staleness_lr)
+        self._init_server(server)
 
     @override
     def _handler(self) -> HandlerFactory:
@@ -184,28 +256,30 @@ class SoftsyncStrategy(ParameterServerWorker):
     by its batch size. Everything else as :class:`AsgdStrategy`.
 
     Args:
-        n: Softsync parameter, an integer >= 1; at most the number of ranks ``W`` (checked when
-            fit starts, before any rank does).
+        n: Softsync parameter, an integer >= 1; at most the number of workers (``W``, or ``W - 1``
+            with a dedicated server; checked when fit starts, before any rank does).
         staleness_lr: Divide an update's learning rate by its gradients' mean staleness when > 1.
+        server: ``'rank0'`` or ``'dedicated'``, as for :class:`AsgdStrategy`.
         **kwargs: See :class:`~lightning_hier.strategies._base.HierStrategy`.
     """
 
     strategy_name = "softsync"
 
-    def __init__(self, n: int = 1, staleness_lr: bool = False, **kwargs: Any) -> None:
+    def __init__(self, n: int = 1, staleness_lr: bool = False, server: str = "rank0", **kwargs: Any) -> None:
         super().__init__(**kwargs)
         owner = type(self).__name__
         self.n = v.check_int(owner, "n", n, minimum=1)
         self.staleness_lr = v.check_bool(owner, "staleness_lr", staleness_lr)
+        self._init_server(server)
 
     @override
     def _configure_launcher(self) -> None:
         super()._configure_launcher()
-        world = self.topology.world_size  # in the main process, before any rank starts
-        if self.n > world:
+        workers = self.num_workers  # in the main process, before any rank starts
+        if self.n > workers:
+            what = "the number of ranks" if self.server == "rank0" else "the number of ranks but rank 0, the server"
             raise ValueError(
-                f"{type(self).__name__}: argument `n` must be an integer in [1, {world}] (the number of ranks), "
-                f"got {self.n}."
+                f"{type(self).__name__}: argument `n` must be an integer in [1, {workers}] ({what}), got {self.n}."
             )
 
     @override

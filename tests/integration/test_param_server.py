@@ -17,9 +17,9 @@ N, BATCH, EPOCHS = 48, 8, 2
 LR, MOMENTUM = 0.05, 0.9
 
 
-def _data(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(100 + rank)
-    return torch.randn(N, 1, 8, 8, generator=g), torch.randint(0, 10, (N,), generator=g)
+def _data(shard: int, n: int = N) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + shard)
+    return torch.randn(n, 1, 8, 8, generator=g), torch.randint(0, 10, (n,), generator=g)
 
 
 def _model() -> Classifier:
@@ -37,14 +37,19 @@ def _fit_shards(strategy: AsgdStrategy) -> dict:
     )
     t.fit(module, loader)
     assert strategy.ps is not None
-    return {"params": flat_params(module), "stats": strategy.ps.stats(), "metrics": dict(strategy.last_metrics)}
+    return {
+        "params": flat_params(module),
+        "stats": strategy.ps.stats(),
+        "metrics": dict(strategy.last_metrics),
+        "steps": t.global_step,
+    }
 
 
-def _sgd_reference(ranks: int) -> torch.Tensor:
-    """Single-process Nesterov SGD; each step on the concatenation of every rank's next batch."""
+def _sgd_reference(shards: list[int]) -> torch.Tensor:
+    """Single-process Nesterov SGD; each step on the concatenation of the shards' next batches."""
     net = _model().net
     opt = torch.optim.SGD(net.parameters(), lr=LR, momentum=MOMENTUM, nesterov=True)
-    data = [_data(r) for r in range(ranks)]
+    data = [_data(s) for s in shards]
     for _ in range(EPOCHS):
         for i in range(0, N, BATCH):
             x = torch.cat([d[0][i : i + BATCH] for d in data])
@@ -57,13 +62,13 @@ def _sgd_reference(ranks: int) -> torch.Tensor:
 
 def test_asgd_with_one_worker_equals_plain_sgd_exactly():
     (out,) = run_workers(_fit_shards, AsgdStrategy(timeout=30), devices=1)
-    assert torch.equal(out["params"], _sgd_reference(1))
+    assert torch.equal(out["params"], _sgd_reference([0]))
     assert out["stats"]["ps/staleness_max"] == 0.0 and out["stats"]["ps/applied"] == EPOCHS * N / BATCH
 
 
 def test_softsync_n1_equals_synchronous_sgd_on_the_concatenated_batches():
     out = run_workers(_fit_shards, SoftsyncStrategy(n=1, timeout=30), devices=2)
-    ref = _sgd_reference(2)
+    ref = _sgd_reference([0, 1])
     for o in out:
         torch.testing.assert_close(o["params"], ref, atol=1e-6, rtol=0)
     steps = EPOCHS * N // BATCH
@@ -83,9 +88,9 @@ def test_three_ranks_every_gradient_applied_once_and_every_rank_holds_the_server
     assert "ps/staleness_mean" in out[0]["metrics"]  # logged through the module
 
 
-def _fit_digits(ckpt_dir: str, epochs: int, resume: bool) -> dict:
+def _fit_digits(ckpt_dir: str, epochs: int, resume: bool, server: str) -> dict:
     module = digits_classifier()
-    strategy = SoftsyncStrategy(n=1, timeout=30)  # synchronous: a resumed run can be compared exactly
+    strategy = SoftsyncStrategy(n=1, server=server, timeout=30)  # synchronous: a resumed run compares exactly
     ckpt = ModelCheckpoint(dirpath=ckpt_dir, save_top_k=-1, every_n_epochs=1, filename="{epoch}")
     t = trainer(
         strategy=strategy,
@@ -102,14 +107,15 @@ def _fit_digits(ckpt_dir: str, epochs: int, resume: bool) -> dict:
     return {"stats": strategy.ps.stats(), "params": flat_params(module)}
 
 
-def test_resume_restores_the_server_and_checkpoints_hold_its_model(tmp_path):
-    first = run_workers(_fit_digits, str(tmp_path / "a"), 2, False, devices=3)
+@pytest.mark.parametrize("server", ["rank0", "dedicated"])
+def test_resume_restores_the_server_and_checkpoints_hold_its_model(tmp_path, server):
+    first = run_workers(_fit_digits, str(tmp_path / "a"), 2, False, server, devices=3)
     saved = torch.load(tmp_path / "a" / "epoch=1.ckpt", weights_only=False)
     # the checkpoint's state_dict is the server's model, which every rank holds after fit
     flat = torch.cat([v.reshape(-1) for v in saved["state_dict"].values()])
     assert torch.equal(flat, first[0]["params"]) and torch.equal(first[1]["params"], first[0]["params"])
-    resumed = run_workers(_fit_digits, str(tmp_path / "a"), 3, True, devices=3)
-    straight = run_workers(_fit_digits, str(tmp_path / "b"), 3, False, devices=3)
+    resumed = run_workers(_fit_digits, str(tmp_path / "a"), 3, True, server, devices=3)
+    straight = run_workers(_fit_digits, str(tmp_path / "b"), 3, False, server, devices=3)
     # the server's model, optimizer (momentum) and counters go on from the checkpoint
     assert resumed[0]["stats"]["ps/applied"] == straight[0]["stats"]["ps/applied"]
     assert resumed[0]["stats"]["ps/updates"] == straight[0]["stats"]["ps/updates"]
