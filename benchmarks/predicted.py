@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_hier.simulator import Cluster, Prediction, Workload, one_straggler, parse_link, predict
-from lightning_hier.simulator.strategies import MODELS
+from lightning_hier.simulator.registry import MODELS
 
 EFFICIENCY = 0.944
 UNLIMITED_BITS = 7.9e9
