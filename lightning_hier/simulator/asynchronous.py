@@ -54,7 +54,7 @@ from math import ceil
 from typing import Any
 
 from lightning_hier.comm.ps_wire import HEADER_LEN
-from lightning_hier.simulator.collectives import NONE, Comm, all_reduce
+from lightning_hier.simulator.collectives import NONE, Comm, all_reduce, sent
 from lightning_hier.simulator.inputs import Cluster, Workload
 from lightning_hier.simulator.prediction import FLOAT64, Prediction, compute_s, steps_per_epoch
 
@@ -67,7 +67,7 @@ MAX_CORE_SHARE = 0.95
 def message(payload: float, tensors: int, cluster: Cluster) -> Comm:
     """One ps_wire message of ``payload`` bytes in ``tensors`` tensors: a header, then one send per tensor."""
     wire = HEADER_BYTES + payload
-    return Comm((1 + tensors) * cluster.link.alpha + wire * cluster.byte_s, wire, payload, 1)
+    return sent((1 + tensors) * cluster.link.alpha + wire * cluster.byte_s, wire, payload, cluster)
 
 
 def queue_wait(think: Sequence[float], service: Sequence[float]) -> float:
