@@ -14,9 +14,10 @@ Calibration, all from the same invocation (nothing is fitted to the run being pr
   ``hpsgd_mlp`` (HPSGD, window 4, 1 Gbit/s) and kept for every run;
 - bytes per epoch: the model's wire bytes plus :data:`HEADERS` (TCP/IP framing), plus the
   ``no-comm`` run's bytes per epoch that were not its validation consensus (rendezvous store,
-  metric syncs), plus one consensus all-reduce per epoch for the strategies whose validation needs
-  one (HPSGD always; the averaging family when an epoch does not end on a round); the payload
-  column (what ``CommStats`` counted over the fit) includes that consensus too.
+  metric syncs), plus the consensus each epoch's validation needs (:func:`_validation_bytes`:
+  HPSGD always, the averaging family when an epoch does not end on a round, GRAWA's asynchronous
+  rounds and the parameter-server strategies always); the payload column (what ``CommStats``
+  counted over the fit) includes that consensus where ``CommStats`` counts it.
 
 Runs the model does not cover in the report print ``-``: DDP's communication-hook peers, and the
 pipeline and grid runs (they need per-block costs or the layer list; use
@@ -33,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_hier.simulator import Cluster, Prediction, Workload, one_straggler, parse_link, predict
-from lightning_hier.simulator.strategies import MODELS
+from lightning_hier.simulator.registry import MODELS
 
 EFFICIENCY = 0.944
 UNLIMITED_BITS = 7.9e9
@@ -96,14 +97,29 @@ def _fixed_bytes_per_epoch(reference: dict[str, Any]) -> float:
     return max(0.0, float(reference["bytes_per_epoch"]) - consensus)  # at 2 ranks an all-reduce sends its payload
 
 
-def _validation_payload(p: Prediction, run: dict[str, Any]) -> float:
-    """Payload bytes of one consensus collective per epoch where the strategy's validation needs one."""
+SERVED = ("asgd", "softsync", "dbs_async")
+"""The parameter-server strategies: each meeting pulls the server's model and broadcasts it (not in CommStats)."""
+
+
+def _validation_bytes(p: Prediction, run: dict[str, Any]) -> tuple[float, float]:
+    """``(payload, wire)`` bytes per rank of the consensus that each epoch's validation needs.
+
+    HPSGD and the averaging family when an epoch does not end on a round: one all-reduce of the
+    parameters (LSGD: a broadcast); GRAWA's asynchronous rounds: a pull of the server's center at
+    every validation (point-to-point); the parameter-server strategies: a pull and a broadcast
+    of the server's model, neither counted by ``CommStats``.
+    """
     per_epoch = run["steps"] / run["epochs"]
-    needs = p.strategy == "hpsgd" or ("tau" in p.args and per_epoch % int(p.args["tau"]) != 0)
-    if not needs:
-        return 0.0
     word = 2 if p.args.get("compression") == "bf16" else 4
-    return word * float((run.get("model") or {}).get("parameters") or 0)
+    model = word * float((run.get("model") or {}).get("parameters") or 0)
+    share = (p.workers - 1) / p.workers
+    if p.strategy in SERVED:
+        return 0.0, 2 * share * model  # the pull's reply and the broadcast, both from rank 0
+    if p.args.get("rounds") == "async":
+        return model, share * model
+    if p.strategy == "hpsgd" or ("tau" in p.args and per_epoch % int(p.args["tau"]) != 0):
+        return model, share * model * (1 if p.strategy == "lsgd" else 2)
+    return 0.0, 0.0
 
 
 def _error(predicted: float, measured: float | None) -> str:
@@ -128,9 +144,8 @@ def predicted_table(result: dict[str, Any], world: int) -> str:
         if label == NO_COMM:  # the calibration run itself
             lines.append(f"| {label} | {run['samples_per_s']:.0f} | calibration |" + " - |" * 7)
             continue
-        validation = _validation_payload(p, run)  # its wire bytes: as an all-reduce (LSGD: a broadcast)
-        share = (p.workers - 1) / p.workers * (1 if p.strategy == "lsgd" else 2)
-        wire = (p.wire_bytes_per_epoch + share * validation) * (1 + HEADERS) + overhead
+        validation, validation_wire = _validation_bytes(p, run)
+        wire = (p.wire_bytes_per_epoch + validation_wire) * (1 + HEADERS) + overhead
         payload = p.payload_bytes * run["steps"] + validation * run["epochs"]
         measured_payload = run["payload_bytes"][0] if run.get("payload_bytes") else None
         rate = run["samples_per_s"]

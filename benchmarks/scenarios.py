@@ -308,8 +308,14 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("grawa_cnn", "lgrawa", {"tau": 32}, Target("bytes_per_epoch", "~", 1 / 32, "L + P floats every 32 steps")),
     Scenario("grawa_cnn", "easgd", {"tau": 4}),
     Scenario("grawa_cnn", "lsgd", {"tau": 4}),
+    # the asynchronous strategies, for the simulator's predictions beside them (benchmarks/predicted.py)
+    Scenario("grawa_cnn", "mgrawa", {"tau": 32, "rounds": "async"}, label="mgrawa-async"),
+    Scenario("grawa_cnn", "asgd", {}),
+    Scenario("grawa_cnn", "softsync", {"n": 1}, label="softsync-n1"),
     Scenario("dbs_straggler", "dbs", {}, Target("epoch_s", "<=", 0.75, "batch shares follow speed 2:1")),
     Scenario("dbs_straggler", "localsgd", {"tau": 8}),
+    Scenario("dbs_straggler", "dbs_async", {}),
+    Scenario("dbs_straggler", "asgd", {}),
     Scenario("decoupled_cnn", "decoupled", {}, overrides=("data.batch_size=256",)),  # K=2 stages, 1 replica
     Scenario(
         "decoupled_cnn", "decoupled", {"wire_dtype": "bf16"}, label="decoupled-bf16", overrides=("data.batch_size=256",)

@@ -33,7 +33,8 @@ from lightning_hier.simulator.inputs import (
     parse_link,
     parse_speeds,
 )
-from lightning_hier.simulator.strategies import MODELS, Prediction, compute_s, predict
+from lightning_hier.simulator.prediction import Prediction, compute_s
+from lightning_hier.simulator.registry import MODELS, predict
 
 __all__ = [
     "ALGORITHMS",

@@ -25,8 +25,7 @@ from torch import nn
 
 from lightning_hier.planner.cost import Layer, Link
 from lightning_hier.simulator.inputs import ALGORITHMS, Cluster, Workload, parse_link, parse_speeds
-from lightning_hier.simulator.strategies import MODELS
-from lightning_hier.simulator.sweep import format_detail, format_sweep, plot_sweep, recommend, sweep
+from lightning_hier.simulator.sweep import ROWS, format_detail, format_sweep, plot_sweep, recommend, sweep
 
 WORKERS = [8, 16, 32, 64, 128, 256, 512, 1024]
 PRESETS = Path(__file__).with_name("presets")
@@ -117,9 +116,9 @@ def _predict(args: argparse.Namespace) -> int:
     if args.batch_size:
         workload = workload.with_batch(args.batch_size)
     cluster = _cluster(args)
-    unknown = sorted(set(args.strategies) - set(MODELS))
+    unknown = sorted(set(args.strategies) - set(ROWS))
     if unknown:
-        raise SystemExit(f"simulator: unknown `--strategies` {unknown}; known: {sorted(MODELS)}")
+        raise SystemExit(f"simulator: unknown `--strategies` {unknown}; known: {sorted(ROWS)}")
     parse_speeds(args.stragglers, 2)  # a bad distribution fails before the sweep
     results = sweep(
         args.strategies, workload, cluster, args.workers, lambda w: parse_speeds(args.stragglers, w), _layers(workload)
@@ -170,7 +169,7 @@ def _parser() -> argparse.ArgumentParser:
     pred.add_argument("--cpu-s-per-byte", type=float, default=0.0, help="compute lost per byte sent while computing")
     pred.add_argument("--stragglers", default="none", help="none, straggler:F or lognormal:SIGMA")
     pred.add_argument("--workers", type=int, nargs="+", default=WORKERS)
-    pred.add_argument("--strategies", nargs="+", default=[s for s in MODELS if s not in ("grawa", "no-comm")])
+    pred.add_argument("--strategies", nargs="+", default=list(ROWS), help="rows: models, mgrawa-async, lgrawa-async")
     pred.add_argument("--plot", default=None, help="PNG path")
     return parser
 

@@ -21,7 +21,8 @@ h/d is recursive halving and doubling (Rabenseifner), the planner's all-reduce. 
 all-reduce is a binomial reduce then broadcast: every worker but the root sends ``n`` once in
 each, ``2 (p-1)/p n`` on average. ``payload`` is what
 :class:`~lightning_hier.comm.CommStats` counts for the call (the tensor's bytes, whatever the
-algorithm sends).
+algorithm sends). With ``cpu_s_per_byte > 0`` a collective lasts at least the CPU time of the
+bytes it sends (:func:`sent`).
 """
 
 from __future__ import annotations
@@ -57,6 +58,17 @@ class Comm:
 NONE = Comm()
 
 
+def sent(network_s: float, wire_bytes: float, payload_bytes: float, cluster: Cluster) -> Comm:
+    """One collective that takes ``network_s`` on the link and sends ``wire_bytes`` per worker.
+
+    Its time is the longer of the link's and the cores': gloo copies and reduces every byte it
+    sends on the rank's own cores (``cpu_s_per_byte``), pipelined with the transfer, so on a fast
+    link a blocking collective is CPU-bound (about 3 ns/byte on the benchmark's cores: 21 MB take
+    63 ms, as long as the link's 21 ms at 7.9 Gbit/s three times over).
+    """
+    return Comm(max(network_s, cluster.cpu_s_per_byte * wire_bytes), wire_bytes, payload_bytes, 1)
+
+
 def _lg(p: int) -> int:
     return ceil(log2(p)) if p > 1 else 0
 
@@ -72,7 +84,7 @@ def all_reduce(nbytes: float, p: int, cluster: Cluster) -> Comm:
         time = 2 * _lg(p) * (a + nbytes * b)
     else:
         time = 2 * _lg(p) * a + 2 * share * b
-    return Comm(time, 2 * share, nbytes, 1)
+    return sent(time, 2 * share, nbytes, cluster)
 
 
 def broadcast(nbytes: float, p: int, cluster: Cluster) -> Comm:
@@ -81,17 +93,17 @@ def broadcast(nbytes: float, p: int, cluster: Cluster) -> Comm:
         return NONE
     a, b, share = cluster.link.alpha, cluster.byte_s, (p - 1) / p * nbytes
     if cluster.algorithm == "tree":
-        return Comm(_lg(p) * (a + nbytes * b), share, nbytes, 1)
+        return sent(_lg(p) * (a + nbytes * b), share, nbytes, cluster)
     if cluster.algorithm == "ring":  # pipelined along the chain: every worker but the last forwards n
-        return Comm((p - 1) * a + nbytes * b, share, nbytes, 1)
-    return Comm((_lg(p) + p - 1) * a + 2 * share * b, 2 * share, nbytes, 1)
+        return sent((p - 1) * a + nbytes * b, share, nbytes, cluster)
+    return sent((_lg(p) + p - 1) * a + 2 * share * b, 2 * share, nbytes, cluster)
 
 
 def p2p(nbytes: float, cluster: Cluster) -> Comm:
     """One message of ``nbytes`` to a neighbour."""
     if nbytes <= 0:
         return NONE
-    return Comm(cluster.link.alpha + nbytes * cluster.byte_s, nbytes, nbytes, 1)
+    return sent(cluster.link.alpha + nbytes * cluster.byte_s, nbytes, nbytes, cluster)
 
 
 def overlapped(compute_s: float, comm: Comm, cluster: Cluster) -> tuple[float, float]:

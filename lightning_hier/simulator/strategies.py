@@ -33,79 +33,22 @@ grid2d        the planner's alpha-beta cost of the ``Pr x Pc`` grid (blocking), 
 Assumptions (docs: README, "Predicting performance"): steady state (start-up, the first
 windows, DBS's warm-up and end-of-fit rounds are left out of the per-step numbers); compute does
 not depend on the batch split beyond being linear in samples; all links are equal (no node
-hierarchy); the asynchronous strategies (ASGD, soft-sync, asynchronous GRAWA) are not modelled yet.
+hierarchy). The asynchronous strategies (``asgd``, ``softsync``, ``dbs_async``, GRAWA with
+``rounds='async'``) are in :mod:`lightning_hier.simulator.asynchronous`; the registry of every
+model is :mod:`lightning_hier.simulator.registry`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any
 
 from lightning_hier.planner.cost import Layer, network_cost
 from lightning_hier.simulator.collectives import NONE, Comm, all_reduce, broadcast, overlapped, p2p
 from lightning_hier.simulator.inputs import Cluster, Workload, split_blocks
+from lightning_hier.simulator.prediction import FLOAT64, Prediction, compute_s, steps_per_epoch
 
 MiB = 2**20
-FLOAT64 = 8
-
-
-@dataclass(frozen=True)
-class Prediction:
-    """What one strategy is predicted to do on one cluster, per optimizer step unless named otherwise.
-
-    Attributes:
-        strategy: Registry name.
-        args: The strategy's arguments that the prediction used.
-        workers: Ranks.
-        step_s: Seconds per optimizer step (iteration, for the pipeline).
-        samples_per_step: Training samples all replicas consume per step.
-        steps_per_epoch: Steps of one epoch (the pipeline's drain included).
-        wire_bytes: Bytes each worker sends per step (mean over workers).
-        payload_bytes: Bytes each worker hands to collectives per step (what ``CommStats`` counts).
-        blocked_s: Seconds per step the least loaded worker waits (communication and slower peers).
-        staleness: Steps between a change and its arrival in every replica (0: synchronous).
-        detail: Extra numbers (per-round costs, the chosen grid, ...).
-    """
-
-    strategy: str
-    args: dict[str, Any]
-    workers: int
-    step_s: float
-    samples_per_step: float
-    steps_per_epoch: float
-    wire_bytes: float
-    payload_bytes: float
-    blocked_s: float
-    staleness: float = 0.0
-    detail: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def samples_per_s(self) -> float:
-        return self.samples_per_step / self.step_s if self.step_s > 0 else float("inf")
-
-    @property
-    def epoch_s(self) -> float:
-        return self.steps_per_epoch * self.step_s
-
-    @property
-    def wire_bytes_per_epoch(self) -> float:
-        return self.wire_bytes * self.steps_per_epoch
-
-    @property
-    def payload_bytes_per_epoch(self) -> float:
-        return self.payload_bytes * self.steps_per_epoch
-
-
-# ---------------------------------------------------------------------------- shared pieces
-def compute_s(workload: Workload, cluster: Cluster, samples: Sequence[float] | None = None) -> list[float]:
-    """Each worker's compute seconds per step (``samples``: per-worker batch, default the workload's)."""
-    batch = samples if samples is not None else [workload.batch_size] * cluster.workers
-    return [(b * workload.sample_s + workload.step_s) / s for b, s in zip(batch, cluster.speed_list, strict=True)]
-
-
-def _steps_per_epoch(workload: Workload, replicas: int) -> float:
-    return max(1, workload.samples_per_epoch // (workload.batch_size * replicas))
 
 
 def _buffer_bytes(workload: Workload, sync_buffers: bool) -> int:
@@ -133,7 +76,7 @@ def _periodic(
         cluster.workers,
         step_s=elapsed / period,
         samples_per_step=workload.batch_size * cluster.workers,
-        steps_per_epoch=_steps_per_epoch(workload, cluster.workers),
+        steps_per_epoch=steps_per_epoch(workload, cluster.workers),
         wire_bytes=comm.wire_bytes / period,
         payload_bytes=comm.payload_bytes / period,
         blocked_s=max(0.0, elapsed - busy) / period,
@@ -185,7 +128,7 @@ def ddp(workload: Workload, cluster: Cluster, bucket_mb: float = 25.0) -> Predic
         p,
         step_s=step,
         samples_per_step=b * p,
-        steps_per_epoch=_steps_per_epoch(workload, p),
+        steps_per_epoch=steps_per_epoch(workload, p),
         wire_bytes=comm.wire_bytes,
         payload_bytes=comm.payload_bytes,
         blocked_s=step - fastest - cluster.cpu_s_per_byte * early.wire_bytes,
@@ -240,8 +183,15 @@ def lsgd(workload: Workload, cluster: Cluster, tau: int = 4, sync_buffers: bool 
 
 
 def _grawa(
-    name: str, workload: Workload, cluster: Cluster, tau: int, sync_buffers: bool, probe: str, width: int
+    name: str, workload: Workload, cluster: Cluster, tau: int, sync_buffers: bool, probe: str, rounds: str, width: int
 ) -> Prediction:
+    if rounds == "async":
+        # imported here: the asynchronous models build on this module's shared pieces
+        from lightning_hier.simulator.asynchronous import grawa_async
+
+        return grawa_async(name, workload, cluster, tau, probe, width)
+    if rounds != "sync":
+        raise ValueError(f"{name}: `rounds` must be 'sync' or 'async', got {rounds!r}.")
     p = cluster.workers
     center = all_reduce(p * (width + 1) * FLOAT64, p, cluster) + all_reduce(workload.param_bytes, p, cluster)
     extra = 0.0 if probe == "step" else workload.batch_size * workload.sample_s
@@ -251,17 +201,27 @@ def _grawa(
 
 
 def mgrawa(
-    workload: Workload, cluster: Cluster, tau: int = 32, sync_buffers: bool = True, probe: str = "fresh"
+    workload: Workload,
+    cluster: Cluster,
+    tau: int = 32,
+    sync_buffers: bool = True,
+    probe: str = "fresh",
+    rounds: str = "sync",
 ) -> Prediction:
     """MGRAWA: one weight per worker (the score table has a score and a norm per worker)."""
-    return _grawa("mgrawa", workload, cluster, tau, sync_buffers, probe, 1)
+    return _grawa("mgrawa", workload, cluster, tau, sync_buffers, probe, rounds, 1)
 
 
 def lgrawa(
-    workload: Workload, cluster: Cluster, tau: int = 32, sync_buffers: bool = True, probe: str = "fresh"
+    workload: Workload,
+    cluster: Cluster,
+    tau: int = 32,
+    sync_buffers: bool = True,
+    probe: str = "fresh",
+    rounds: str = "sync",
 ) -> Prediction:
     """LGRAWA: one weight per worker and parameter tensor."""
-    return _grawa("lgrawa", workload, cluster, tau, sync_buffers, probe, workload.tensors)
+    return _grawa("lgrawa", workload, cluster, tau, sync_buffers, probe, rounds, workload.tensors)
 
 
 def dbs(workload: Workload, cluster: Cluster, rebalance_every: int = 20, sync_buffers: bool = True) -> Prediction:
@@ -308,7 +268,7 @@ def decoupled(workload: Workload, cluster: Cluster, pipe: int = 2, schedule: str
         cluster.workers,
         step_s=step,
         samples_per_step=b * replicas,
-        steps_per_epoch=_steps_per_epoch(workload, replicas) + drain,
+        steps_per_epoch=steps_per_epoch(workload, replicas) + drain,
         wire_bytes=wire / pipe,
         payload_bytes=payload / pipe,
         blocked_s=step - min(compute),
@@ -346,30 +306,3 @@ def grid2d(
         blocked_s=step - min(work),
         detail={"comm_s": comm_s, "messages": cost.messages},
     )
-
-
-MODELS: dict[str, Callable[..., Prediction]] = {
-    "ddp": ddp,
-    "hpsgd": hpsgd,
-    "localsgd": localsgd,
-    "easgd": easgd,
-    "lsgd": lsgd,
-    "mgrawa": mgrawa,
-    "grawa": mgrawa,
-    "lgrawa": lgrawa,
-    "dbs": dbs,
-    "decoupled": decoupled,
-    "grid2d": grid2d,
-    "no-comm": no_comm,
-}
-"""Registry name -> model; the asynchronous strategies (asgd, softsync) are a later addition."""
-
-
-def predict(strategy: str, workload: Workload, cluster: Cluster, **args: Any) -> Prediction:
-    """The prediction of ``strategy`` with its arguments ``args`` (unknown ones are an error)."""
-    if strategy not in MODELS:
-        raise ValueError(f"simulator.predict: `strategy` must be one of {sorted(MODELS)}, got {strategy!r}.")
-    try:
-        return MODELS[strategy](workload, cluster, **args)
-    except TypeError as err:
-        raise ValueError(f"simulator.predict: bad arguments {args} for strategy {strategy!r}: {err}") from err

@@ -16,7 +16,8 @@ from typing import Any
 
 from lightning_hier.planner.cost import Layer
 from lightning_hier.simulator.inputs import Cluster, Workload
-from lightning_hier.simulator.strategies import Prediction, predict
+from lightning_hier.simulator.prediction import Prediction
+from lightning_hier.simulator.registry import predict
 
 CANDIDATES: dict[str, list[dict[str, Any]]] = {
     "ddp": [{}],
@@ -29,8 +30,16 @@ CANDIDATES: dict[str, list[dict[str, Any]]] = {
     "lgrawa": [{"tau": t} for t in (4, 8, 16, 32, 64)],
     "decoupled": [{"pipe": k} for k in (2, 4, 8)],
     "grid2d": [{}],
+    "asgd": [{}],
+    "softsync": [{"n": n} for n in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)],
+    "dbs_async": [{}],
+    "mgrawa-async": [{"tau": t, "rounds": "async"} for t in (4, 8, 16, 32, 64)],
+    "lgrawa-async": [{"tau": t, "rounds": "async"} for t in (4, 8, 16, 32, 64)],
 }
-"""Arguments searched per strategy (the period or window in increasing order)."""
+"""Arguments searched per row (the period, window or softsync's ``n`` in increasing order)."""
+ROW_MODEL = {"mgrawa-async": "mgrawa", "lgrawa-async": "lgrawa"}
+"""Rows that are another model with other arguments (GRAWA's asynchronous rounds)."""
+ROWS = tuple(CANDIDATES)
 
 
 def _feasible(
@@ -41,20 +50,23 @@ def _feasible(
         return bool(workload.blocks) and pipe <= len(workload.blocks) and cluster.workers % pipe == 0
     if strategy == "grid2d":
         return bool(layers)
+    if strategy == "softsync":
+        return int(args["n"]) <= cluster.workers
     return True
 
 
 def tune(
     strategy: str, workload: Workload, cluster: Cluster, layers: Sequence[Layer] = (), tolerance: float = 0.05
 ) -> Prediction | None:
-    """The family's smallest-period prediction within ``tolerance`` of its best throughput (None: infeasible)."""
+    """The row's smallest-period prediction within ``tolerance`` of its best throughput (None: infeasible)."""
     found: list[Prediction] = []
+    model = ROW_MODEL.get(strategy, strategy)
     for args in CANDIDATES[strategy]:
-        if not _feasible(strategy, args, workload, cluster, layers):
+        if not _feasible(model, args, workload, cluster, layers):
             continue
-        extra: dict[str, Any] = {"layers": layers} if strategy == "grid2d" else {}
+        extra: dict[str, Any] = {"layers": layers} if model == "grid2d" else {}
         try:
-            found.append(predict(strategy, workload, cluster, **args, **extra))
+            found.append(predict(model, workload, cluster, **args, **extra))
         except ValueError:
             continue  # e.g. no grid satisfies the planner's constraints
     if not found:
@@ -109,7 +121,7 @@ def _crossing_text(count: int | None, smallest: int) -> str:
 
 
 def _args_text(p: Prediction) -> str:
-    shown = {k: v for k, v in p.args.items() if k in ("window", "tau", "pipe", "grid")}
+    shown = {k: v for k, v in p.args.items() if k in ("window", "tau", "pipe", "grid", "n", "rounds") and v != "sync"}
     return ",".join(f"{k}={'x'.join(map(str, v)) if isinstance(v, tuple) else v}" for k, v in shown.items())
 
 
