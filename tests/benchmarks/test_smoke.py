@@ -34,10 +34,10 @@ def test_quick_run_writes_results_then_sigterm_removes_everything(emulation, tmp
     with open(tmp_path / "stdout.txt", "w") as out:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
     try:
-        # DDP done; Local SGD started, its rank 1 inside the straggler's CPU-quota cgroup
+        # DDP done; Local SGD started, its rank 1 inside the slowed ranks' CPU-quota cgroup (lhb-<pid>-slow)
         _wait_for("tmp/runs-*/dbs_straggler/localsgd-0/rank1.log", tmp_path, proc, 400)
         assert [n for n in list_namespaces() if n.startswith(f"lhb-{proc.pid}-")]
-        assert not cgroup or list(Path("/sys/fs/cgroup").glob(f"**/lhb-{proc.pid}-r1"))
+        assert not cgroup or list(Path("/sys/fs/cgroup").glob(f"**/lhb-{proc.pid}-slow"))
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 128 + signal.SIGTERM
     finally:
@@ -46,12 +46,12 @@ def test_quick_run_writes_results_then_sigterm_removes_everything(emulation, tmp
     stdout = (tmp_path / "stdout.txt").read_text()
     # nothing left: namespaces, the straggler's cgroup, rank processes
     assert [n for n in list_namespaces() if n.startswith(f"lhb-{proc.pid}-")] == [], stdout[-3000:]
-    assert not list(Path("/sys/fs/cgroup").glob(f"**/lhb-{proc.pid}-r1"))
+    assert not list(Path("/sys/fs/cgroup").glob(f"**/lhb-{proc.pid}-slow"))
     assert processes_mentioning(str(tmp_path)) == []
     # the finished run was written, marked as partial
     results = json.loads((tmp_path / "results.json").read_text())
     entry = results["workloads"]["dbs_straggler"]
-    assert results["interrupted"] and list(entry["runs"]) == ["ddp"] and entry["straggler"]["rank"] == 1
+    assert results["interrupted"] and list(entry["runs"]) == ["ddp"] and entry["straggler"]["ranks"] == [1]
     ddp = entry["runs"]["ddp"]
     assert min(ddp["tx_bytes"]) > 0 and ddp["epochs"] == 1 and ddp["samples_per_s"] > 0
     assert ddp["straggler_throttled_s"] is not None or not cgroup
