@@ -3,8 +3,6 @@
 import os
 import signal
 import subprocess
-import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -21,7 +19,7 @@ from benchmarks.netns import (
     run_cmd,
 )
 from benchmarks.straggler import CpuQuota, cgroup_flavour
-from tests.benchmarks.conftest import processes_mentioning
+from tests.benchmarks.conftest import processes_mentioning, send_between
 
 MiB = 2**20
 
@@ -52,27 +50,6 @@ def _mine() -> list[str]:
     return [n for n in list_namespaces() if n.startswith(f"lhb-{os.getpid()}-")]
 
 
-def _send(cluster: EmulatedCluster, src: int, dst: int, nbytes: int) -> None:
-    server = textwrap.dedent(f"""
-        import socket
-        s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind(("{cluster.address(dst)}", 5999)); s.listen(1); print("ready", flush=True)
-        c, _ = s.accept(); got = 0
-        while got < {nbytes}:
-            b = c.recv(1 << 16)
-            if not b: break
-            got += len(b)
-        print(got)
-    """)
-    client = f"import socket; socket.create_connection(('{cluster.address(dst)}', 5999)).sendall(b'x' * {nbytes})"
-    with subprocess.Popen(
-        [*cluster.exec_prefix(dst), sys.executable, "-c", server], stdout=subprocess.PIPE, text=True
-    ) as srv:
-        assert srv.stdout is not None and srv.stdout.readline().strip() == "ready"
-        subprocess.run([*cluster.exec_prefix(src), sys.executable, "-c", client], check=True, timeout=60)
-        assert int(srv.stdout.readline()) == nbytes
-
-
 def test_cluster_shapes_both_ends_counts_bytes_and_cleans_up(emulation):
     with EmulatedCluster(2, Link("100mbit")) as cluster:
         assert _mine() == [cluster.namespace(0), cluster.namespace(1), cluster.hub]
@@ -81,7 +58,7 @@ def test_cluster_shapes_both_ends_counts_bytes_and_cleans_up(emulation):
         assert "tbf" in hub_side and "rate 100Mbit" in hub_side
         assert run_cmd("ip", "link", "show").count("lhb") == 0  # nothing in the host's namespace
         before = [cluster.counters(r) for r in range(2)]
-        _send(cluster, 0, 1, MiB)
+        send_between(cluster, 0, 1, MiB)
         after = [cluster.counters(r) for r in range(2)]
         assert after[0]["tx"] - before[0]["tx"] >= MiB and after[1]["rx"] - before[1]["rx"] >= MiB
         assert after[1]["tx"] - before[1]["tx"] < MiB // 4  # acknowledgements only

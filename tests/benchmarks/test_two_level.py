@@ -7,9 +7,6 @@ their links and a real Lightning job on 2 nodes x 2 ranks need root (skipped els
 import argparse
 import fcntl
 import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 
@@ -19,6 +16,7 @@ from benchmarks.netns import RANK_IF, EmulatedCluster, Link, list_namespaces, ru
 from benchmarks.rank import layout_overrides
 from benchmarks.report import workload_table
 from benchmarks.scenarios import WORKLOADS, plan
+from tests.benchmarks.conftest import send_between
 
 MiB = 2**20
 TAG = f"{os.getpid()}-net2t"  # the process id first (cleanup reads it), then a label of these tests
@@ -115,29 +113,6 @@ def _mine() -> list[str]:
     return [n for n in list_namespaces() if n.startswith(f"lhb-{TAG}-")]
 
 
-def _send(cluster: EmulatedCluster, src: int, dst: int, nbytes: int) -> None:
-    """``nbytes`` over TCP from rank ``src``'s namespace to rank ``dst``'s address."""
-    port = 5990 + dst
-    server = textwrap.dedent(f"""
-        import socket
-        s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind(("{cluster.address(dst)}", {port})); s.listen(1); print("ready", flush=True)
-        c, _ = s.accept(); got = 0
-        while got < {nbytes}:
-            b = c.recv(1 << 16)
-            if not b: break
-            got += len(b)
-        print(got)
-    """)
-    client = f"import socket; socket.create_connection(('{cluster.address(dst)}', {port})).sendall(b'x' * {nbytes})"
-    with subprocess.Popen(
-        [*cluster.exec_prefix(dst), sys.executable, "-c", server], stdout=subprocess.PIPE, text=True
-    ) as srv:
-        assert srv.stdout is not None and srv.stdout.readline().strip() == "ready"
-        subprocess.run([*cluster.exec_prefix(src), sys.executable, "-c", client], check=True, timeout=60)
-        assert int(srv.stdout.readline()) == nbytes
-
-
 def test_inside_a_node_is_loopback_between_nodes_the_shaped_link(emulation):
     with EmulatedCluster(4, Link("100mbit"), tag=TAG, ranks_per_node=2) as cluster:
         assert _mine() == [cluster.namespace(0), cluster.namespace(2), cluster.hub]  # 2 nodes and the bridge
@@ -145,12 +120,12 @@ def test_inside_a_node_is_loopback_between_nodes_the_shaped_link(emulation):
             assert "rate 100Mbit" in cluster.qdisc(node) and "tbf" not in cluster.qdisc(node, dev="lo")
             assert "rate 100Mbit" in run_cmd("tc", "-n", cluster.hub, "qdisc", "show", "dev", f"lhbr{node}")
         before = [cluster.counters(n) for n in range(2)]
-        _send(cluster, 0, 1, MiB)  # two ranks of node 0
+        send_between(cluster, 0, 1, MiB, port=5990 + 1)  # two ranks of node 0
         inside = [cluster.counters(n) for n in range(2)]
         assert inside[0]["intra_tx"] - before[0]["intra_tx"] >= MiB
         # no link crossed (a few hundred bytes of IPv6 neighbour discovery aside)
         assert inside[0]["tx"] - before[0]["tx"] < MiB // 4 and inside[1]["rx"] - before[1]["rx"] < MiB // 4
-        _send(cluster, 1, 2, MiB)  # node 0 to node 1
+        send_between(cluster, 1, 2, MiB, port=5990 + 2)  # node 0 to node 1
         between = [cluster.counters(n) for n in range(2)]
         assert between[0]["tx"] - inside[0]["tx"] >= MiB and between[1]["rx"] - inside[1]["rx"] >= MiB
         assert between[0]["intra_tx"] - inside[0]["intra_tx"] < MiB // 4
