@@ -209,8 +209,9 @@ class AsgdStrategy(ParameterServerWorker):
     the user's (same class and hyperparameters; rank 0's learning-rate schedule is followed), so
     momentum and Adam moments live on the server. Validation during fit, checkpoints'
     ``state_dict`` and every rank's module after fit hold the server's model. Staleness (server
-    updates between a worker's pull and its push) is logged as ``ps/staleness_mean`` and
-    ``ps/staleness_max``, with each worker's iteration time and batch size (rank 0's logger, every
+    updates between a worker's pull and its push) is logged as ``ps/staleness_mean`` (over
+    gradients), ``ps/staleness_worker_mean`` (over workers' means) and ``ps/staleness_max``, with
+    each worker's mean staleness, iteration time and batch size (rank 0's logger, every
     ``log_every_n_steps`` steps; ``last_metrics`` holds the latest after every step).
     Resuming restores the server's model, optimizer and counters, but is not bit-identical: the
     order in which gradients arrive depends on timing.
