@@ -41,6 +41,7 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
+from benchmarks.leftovers import exit_on_termination
 from benchmarks.rank_quotas import RankQuotas, rank_quotas
 from benchmarks.studies._trainer import quiet_trainer
 from lightning_hier import AsgdStrategy, AsyncDBSStrategy, SoftsyncStrategy
@@ -242,6 +243,7 @@ def main() -> None:
     parser.add_argument("--mnist-root", default="../shared/datasets/mnist")
     parser.add_argument("--cifar-root", default="../shared/datasets/cifar10-jpeg.tar.gz")
     args = parser.parse_args()
+    exit_on_termination()  # a `timeout` or kill ends the ranks and removes the cgroups on its way out
     rows = [row for factor in args.factors for row in _run(args, factor)]
     print(
         "| workload | slowdown | strategy | fit wall s | staleness per push | per worker (0, 1, 2) | mean of workers "
