@@ -144,6 +144,7 @@ def _fit(name: str, w: dict[str, Any], dm: ArrayDataModule, factor: float, seed:
     last = history[-1] if history else {}
     speeds = [round(v) for v in last.get("samples_per_s", [])]
     row = {"strategy": name, "wall_s": wall, "stats": stats, "sizes": last.get("sizes"), "speeds": speeds}
+    row["steps"] = trainer.global_step
     return row | {"snaps": snaps.taken, "module": module}
 
 
@@ -154,6 +155,8 @@ def _staleness(stats: dict[str, float]) -> dict[str, Any]:
         "staleness_worker_mean": stats["ps/staleness_worker_mean"],
         "staleness_by_worker": [stats[f"ps/worker{r}/staleness_mean"] for r in range(RANKS)],
         "staleness_max": stats["ps/staleness_max"],
+        # each worker's mean time from a reply to its next push (its compute; the rest of a step is the wait)
+        "iteration_s": [stats[f"ps/worker{r}/iteration_s"] for r in range(RANKS)],
     }
 
 
@@ -210,7 +213,7 @@ def _work(
             val = [dm.on_after_batch_transfer(b, 0) for b in dm.val_dataloader()]
             for f in fits:
                 row = {"workload": wname, "factor": factor, "equal_wall_s": equal}
-                row |= {k: f[k] for k in ("strategy", "wall_s", "sizes", "speeds")}
+                row |= {k: f[k] for k in ("strategy", "wall_s", "sizes", "speeds", "steps")}
                 row |= _staleness(f["stats"])
                 row["acc_equal_wall"] = _accuracy(f["module"], _at(f["snaps"], equal), val)
                 row["acc_end"] = _accuracy(f["module"], f["snaps"][-1][1], val)
@@ -257,6 +260,13 @@ def main() -> None:
             f"| {by_worker} | {r['staleness_worker_mean']:.2f} | {r['staleness_max']:.0f} "
             f"| {r['acc_equal_wall']:.4f} (at {r['equal_wall_s']:.1f} s) | {r['acc_end']:.4f} "
             f"| {r['sizes'] or ''} | {r['speeds'] or ''} |"
+        )
+    for r in rows:
+        compute = ", ".join(f"{1000 * t:.1f}" for t in r["iteration_s"])
+        step = 1000 * r["wall_s"] / r["steps"]
+        print(
+            f"{r['workload']} {r['factor']:g}x {r['strategy']}: {r['steps']} steps, fit wall per step {step:.1f} ms; "
+            f"compute per step by rank (reply to next push) {compute} ms"
         )
     for factor in args.factors:
         quota = next((r for r in rows if r["factor"] == factor and "quota_cores" in r), None)
