@@ -155,7 +155,8 @@ def _staleness(stats: dict[str, float]) -> dict[str, Any]:
         "staleness_worker_mean": stats["ps/staleness_worker_mean"],
         "staleness_by_worker": [stats[f"ps/worker{r}/staleness_mean"] for r in range(RANKS)],
         "staleness_max": stats["ps/staleness_max"],
-        # each worker's mean time from a reply to its next push (its compute; the rest of a step is the wait)
+        # each worker's mean time from a reply to its next push: its compute, plus its waits outside the
+        # server (the ranks meet at each epoch's end, where a fast rank waits for the straggler)
         "iteration_s": [stats[f"ps/worker{r}/iteration_s"] for r in range(RANKS)],
     }
 
@@ -266,7 +267,7 @@ def main() -> None:
         step = 1000 * r["wall_s"] / r["steps"]
         print(
             f"{r['workload']} {r['factor']:g}x {r['strategy']}: {r['steps']} steps, fit wall per step {step:.1f} ms; "
-            f"compute per step by rank (reply to next push) {compute} ms"
+            f"reply to next push by rank (compute + epoch-end waits) {compute} ms"
         )
     for factor in args.factors:
         quota = next((r for r in rows if r["factor"] == factor and "quota_cores" in r), None)
