@@ -29,6 +29,7 @@ from lightning_hier.algorithms.ps_link import SERVERS, served_workers
 from lightning_hier.algorithms.ps_rules import AsgdHandler, SoftsyncHandler
 from lightning_hier.strategies._base import HierStrategy
 from lightning_hier.strategies._ps_adapter import HandlerFactory, PSAdapter
+from lightning_hier.strategies._step_sync import local_sigterm_check
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -113,6 +114,7 @@ class ParameterServerWorker(HierStrategy):
 
     @override
     def _setup_algorithm(self, trainer: pl.Trainer) -> None:
+        local_sigterm_check(trainer)  # else Lightning's per-step broadcast keeps the workers in lock-step
         optimizer = self._require_single_optimizer()
         if self._service_group is None:  # a collective: every rank sets up together, once
             self._service_group = self.topology.build_service_group(self._timeout)
