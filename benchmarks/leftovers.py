@@ -12,9 +12,11 @@ is plain, so both are unit-tested.
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from lightning_hier._pids import pid_exists
 
@@ -81,3 +83,17 @@ def remaining_message(left: Leftovers) -> str:
         f"benchmarks: leftovers of a killed run: {left.describe()}. `{CLEANUP_COMMAND}` removes them (as root; a "
         "cgroup once the processes in it have exited)."
     )
+
+
+def exit_on_termination() -> None:
+    """Make SIGTERM and SIGHUP raise ``SystemExit`` (call from the main thread).
+
+    Python's default for them ends the process at once, skipping the ``finally`` blocks that end
+    the ranks and remove their namespaces and cgroups; as an exception they unwind through them.
+    """
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _terminate)
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)

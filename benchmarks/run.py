@@ -25,7 +25,6 @@ import json
 import os
 import platform
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -191,10 +190,6 @@ def clear_leftovers() -> None:
     if left:
         print(leftovers.remaining_message(left), file=sys.stderr, flush=True)
     print(leftovers.killed_run_notice(str(os.getpid())), file=sys.stderr, flush=True)
-
-
-def _terminate(signum: int, frame: Any) -> None:
-    raise SystemExit(128 + signum)  # unwinds through the finally blocks that remove ranks and namespaces
 
 
 def run_plan(args: argparse.Namespace, the_plan: Plan, data: list[str], results: dict[str, Any]) -> None:
@@ -399,8 +394,7 @@ def main(argv: list[str] | None = None) -> int:
     validate(args, the_plan, data)
     prepare_data(data)
     clear_leftovers()
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, _terminate)
+    leftovers.exit_on_termination()  # unwinds through the finally blocks that remove ranks and namespaces
     results: dict[str, Any] = {"meta": metadata(args), "workloads": {}, "skipped": _skipped(the_plan)}
     try:
         run_plan(args, the_plan, data, results)

@@ -3,18 +3,26 @@
 Ji et al. (2019) claim DBS-SGD lowers the average staleness of asynchronous updates and reaches a
 higher accuracy at equal speed-up than ASGD and n-softsync, on MNIST and CIFAR-10. For each
 workload and slowdown factor this study fits ``dbs_async``, ``asgd`` and ``softsync`` (``n=2`` of
-3 ranks) one after the other in the same three forked CPU ranks (gloo), with rank 2 slowed by
-:class:`~lightning_hier.callbacks.Straggler` in ``'spin'`` mode (the cgroup quota of
-``benchmarks/straggler.py`` needs one core per rank; this machine has two for three ranks, and a
-spinning straggler keeps its slowdown in CPU time however loaded the machine is). DBS times
-compute with ``timer='cpu'`` (the training thread's CPU time in ``dbs_async``).
+3 ranks) one after the other in the same three forked CPU ranks (gloo), with rank 2 slowed:
+
+- ``--straggler cgroup`` (default): every rank runs under its own cgroup CPU quota
+  (:mod:`benchmarks.rank_quotas`), ``--share`` of a core (0.6) for ranks 0 and 1 and
+  ``share / factor`` for rank 2, so that the quotas, not three ranks contending for two cores,
+  set the speeds. Rank 0's quota covers the server's threads (they are threads of its process).
+  DBS times compute with ``timer='wall'``: a quota stretches wall time, not CPU time.
+- ``--straggler spin``: no quotas; :class:`~lightning_hier.callbacks.Straggler` in ``'spin'``
+  mode burns ``factor - 1`` times rank 2's compute in CPU time, and DBS times compute with
+  ``timer='cpu'`` (the training thread's CPU time in ``dbs_async``), which holds however loaded
+  the machine is.
+
+Each slowdown factor is one run of the three forked ranks (its own cgroups, removed at its end).
 
 Rank 0 snapshots the server's model (and its own buffers) every few steps with the wall time
 since the fit started; after all fits, each snapshot is evaluated on the validation set and each
 strategy's accuracy is read at the wall time of the fastest fit of its group ("equal wall time").
 Run from the repository root::
 
-    python -m benchmarks.studies.dbs_async --workloads mnist cifar10 --factors 2 4
+    python -m benchmarks.studies.dbs_async --workloads mnist cifar10 --factors 2 4 [--straggler spin]
 
 MNIST: the t10k file split 8000 / 2000 (only the test set is offline here); CIFAR-10: a fixed
 5000-image training subset of ``cifar10-jpeg.tar.gz``, evaluated on the 10,000 test images.
@@ -23,6 +31,7 @@ MNIST: the t10k file split 8000 / 2000 (only the test set is offline here); CIFA
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -32,6 +41,8 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
+from benchmarks.leftovers import exit_on_termination
+from benchmarks.rank_quotas import RankQuotas, rank_quotas
 from benchmarks.studies._trainer import quiet_trainer
 from lightning_hier import AsgdStrategy, AsyncDBSStrategy, SoftsyncStrategy
 from lightning_hier.callbacks import Straggler
@@ -46,10 +57,13 @@ RANKS, SLOW_RANK = 3, 2
 # Lightning's and the server's fixed per-step costs, dominates a step (else DBS's measured speed
 # of a rank falls as its batch shrinks, and the straggler's share runs down to one sample)
 BATCH = 128
-STRATEGIES: dict[str, Callable[[], ParameterServerWorker]] = {
-    "dbs_async": lambda: AsyncDBSStrategy(rebalance_every=10, warmup_steps=3, timer="cpu", timeout=120),
-    "asgd": lambda: AsgdStrategy(timeout=120),
-    "softsync_n2": lambda: SoftsyncStrategy(n=2, timeout=120),
+STRAGGLERS = ("cgroup", "spin")
+SHARE = 0.6  # cores of a normal rank under --straggler cgroup: 0.6 + 0.6 + 0.6 / factor < 2 cores
+# each factory takes the DBS timer: the clock that sees the straggler's slowdown
+STRATEGIES: dict[str, Callable[[str], ParameterServerWorker]] = {
+    "dbs_async": lambda timer: AsyncDBSStrategy(rebalance_every=10, warmup_steps=3, timer=timer, timeout=120),
+    "asgd": lambda _: AsgdStrategy(timeout=120),
+    "softsync_n2": lambda _: SoftsyncStrategy(n=2, timeout=120),
 }
 
 
@@ -107,16 +121,19 @@ def _workloads(mnist_root: str, cifar_root: str) -> dict[str, dict[str, Any]]:
     }
 
 
-def _fit(name: str, w: dict[str, Any], dm: ArrayDataModule, factor: float, seed: int) -> dict[str, Any]:
+def _fit(name: str, w: dict[str, Any], dm: ArrayDataModule, factor: float, seed: int, straggler: str) -> dict[str, Any]:
     torch.manual_seed(seed)
     module: Classifier = w["model"]()
-    strategy, snaps = STRATEGIES[name](), Snapshots(every=2)
+    # a quota slows the whole process (wall time); a spinning straggler burns CPU time
+    spin = straggler == "spin"
+    strategy, snaps = STRATEGIES[name]("cpu" if spin else "wall"), Snapshots(every=2)
+    slow = [Straggler(ranks=SLOW_RANK, factor=factor, mode="spin")] if spin else []
     trainer = quiet_trainer(
         strategy=strategy,
         devices=RANKS,
         max_epochs=w["epochs"],
         check_val_every_n_epoch=100,
-        callbacks=[Straggler(ranks=SLOW_RANK, factor=factor, mode="spin"), snaps],
+        callbacks=[*slow, snaps],
     )
     start = time.perf_counter()
     trainer.fit(module, datamodule=dm)
@@ -127,7 +144,21 @@ def _fit(name: str, w: dict[str, Any], dm: ArrayDataModule, factor: float, seed:
     last = history[-1] if history else {}
     speeds = [round(v) for v in last.get("samples_per_s", [])]
     row = {"strategy": name, "wall_s": wall, "stats": stats, "sizes": last.get("sizes"), "speeds": speeds}
+    row["steps"] = trainer.global_step
     return row | {"snaps": snaps.taken, "module": module}
+
+
+def _staleness(stats: dict[str, float]) -> dict[str, Any]:
+    """Both means of the staleness: over pushes (``ps/staleness_mean``) and over workers' means; the maximum."""
+    return {
+        "staleness_mean": stats["ps/staleness_mean"],
+        "staleness_worker_mean": stats["ps/staleness_worker_mean"],
+        "staleness_by_worker": [stats[f"ps/worker{r}/staleness_mean"] for r in range(RANKS)],
+        "staleness_max": stats["ps/staleness_max"],
+        # each worker's mean time from a reply to its next push: its compute, plus its waits outside the
+        # server (the ranks meet at each epoch's end, where a fast rank waits for the straggler)
+        "iteration_s": [stats[f"ps/worker{r}/iteration_s"] for r in range(RANKS)],
+    }
 
 
 def _accuracy(module: Classifier, state: list[Tensor], loader: Any) -> float:
@@ -153,14 +184,29 @@ def _at(snaps: list[tuple[float, list[Tensor]]], t: float) -> list[Tensor]:
     return before[-1] if before else snaps[0][1]
 
 
-def _work(workloads: list[str], factors: list[float], seed: int, mnist_root: str, cifar_root: str) -> list[dict]:
+def _work(
+    workloads: list[str],
+    factors: list[float],
+    seed: int,
+    mnist_root: str,
+    cifar_root: str,
+    straggler: str = "spin",
+    quotas: RankQuotas | None = None,
+) -> list[dict]:
+    """One rank of the study: every workload and factor, each strategy fitted in turn; rows on rank 0.
+
+    With ``quotas`` (``straggler='cgroup'``, one factor) the rank first moves into its cgroup,
+    before Lightning or the server start any thread (``RANK`` is the harness's torchrun layout).
+    """
+    if quotas is not None:
+        quotas.join(int(os.environ["RANK"]))
     torch.set_num_threads(1)  # three ranks on two cores; the training thread's clock holds all compute
     rows: list[dict[str, Any]] = []
     for wname in workloads:
         w = _workloads(mnist_root, cifar_root)[wname]
         dm = w["data"]()
         for factor in factors:
-            fits = [_fit(name, w, dm, factor, seed) for name in STRATEGIES]
+            fits = [_fit(name, w, dm, factor, seed, straggler) for name in STRATEGIES]
             if torch.distributed.get_rank() != 0:
                 continue
             equal = min(f["wall_s"] for f in fits)
@@ -168,12 +214,26 @@ def _work(workloads: list[str], factors: list[float], seed: int, mnist_root: str
             val = [dm.on_after_batch_transfer(b, 0) for b in dm.val_dataloader()]
             for f in fits:
                 row = {"workload": wname, "factor": factor, "equal_wall_s": equal}
-                row |= {k: f[k] for k in ("strategy", "wall_s", "sizes", "speeds")}
-                row["staleness_mean"] = f["stats"]["ps/staleness_mean"]
-                row["staleness_max"] = f["stats"]["ps/staleness_max"]
+                row |= {k: f[k] for k in ("strategy", "wall_s", "sizes", "speeds", "steps")}
+                row |= _staleness(f["stats"])
                 row["acc_equal_wall"] = _accuracy(f["module"], _at(f["snaps"], equal), val)
                 row["acc_end"] = _accuracy(f["module"], f["snaps"][-1][1], val)
                 rows.append(row)
+    return rows
+
+
+def _run(args: argparse.Namespace, factor: float) -> list[dict]:
+    """The three ranks for one slowdown ``factor`` (under ``--straggler cgroup``: in their cgroups)."""
+    common = (args.workloads, [factor], args.seed, args.mnist_root, args.cifar_root, args.straggler)
+    if args.straggler == "spin":
+        return run_workers(_work, *common, devices=RANKS, timeout=3000)[0]
+    with rank_quotas(RANKS, args.share, SLOW_RANK, factor) as quotas:
+        # the harness kills and reaps every rank before it returns or raises: the cgroups are empty
+        rows = run_workers(_work, *common, quotas, devices=RANKS, timeout=3000)[0]
+        throttled = quotas.throttled_s()
+        cores = quotas.shares
+    for row in rows:
+        row |= {"quota_cores": cores, "throttled_s": throttled}
     return rows
 
 
@@ -181,24 +241,40 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workloads", nargs="+", default=["mnist", "cifar10"], choices=("digits", "mnist", "cifar10"))
     parser.add_argument("--factors", nargs="+", type=float, default=[2.0, 4.0])
+    parser.add_argument("--straggler", choices=STRAGGLERS, default="cgroup")
+    parser.add_argument("--share", type=float, default=SHARE, help="cores of a normal rank under --straggler cgroup")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--mnist-root", default="../shared/datasets/mnist")
     parser.add_argument("--cifar-root", default="../shared/datasets/cifar10-jpeg.tar.gz")
     args = parser.parse_args()
-    rows = run_workers(
-        _work, args.workloads, args.factors, args.seed, args.mnist_root, args.cifar_root, devices=RANKS, timeout=3000
-    )[0]
+    exit_on_termination()  # a `timeout` or kill ends the ranks and removes the cgroups on its way out
+    rows = [row for factor in args.factors for row in _run(args, factor)]
     print(
-        "| workload | slowdown | strategy | fit wall s | staleness mean | max | acc @ equal wall | acc end "
-        "| DBS sizes | DBS samples/s |"
+        "| workload | slowdown | strategy | fit wall s | staleness per push | per worker (0, 1, 2) | mean of workers "
+        "| max | acc @ equal wall | acc end | DBS sizes | DBS samples/s |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
+        by_worker = ", ".join(f"{m:.2f}" for m in r["staleness_by_worker"])
         print(
             f"| {r['workload']} | {r['factor']:g}x | {r['strategy']} | {r['wall_s']:.1f} | {r['staleness_mean']:.2f} "
-            f"| {r['staleness_max']:.0f} | {r['acc_equal_wall']:.4f} (at {r['equal_wall_s']:.1f} s) "
-            f"| {r['acc_end']:.4f} | {r['sizes'] or ''} | {r['speeds'] or ''} |"
+            f"| {by_worker} | {r['staleness_worker_mean']:.2f} | {r['staleness_max']:.0f} "
+            f"| {r['acc_equal_wall']:.4f} (at {r['equal_wall_s']:.1f} s) | {r['acc_end']:.4f} "
+            f"| {r['sizes'] or ''} | {r['speeds'] or ''} |"
         )
+    for r in rows:
+        compute = ", ".join(f"{1000 * t:.1f}" for t in r["iteration_s"])
+        step = 1000 * r["wall_s"] / r["steps"]
+        print(
+            f"{r['workload']} {r['factor']:g}x {r['strategy']}: {r['steps']} steps, fit wall per step {step:.1f} ms; "
+            f"reply to next push by rank (compute + epoch-end waits) {compute} ms"
+        )
+    for factor in args.factors:
+        quota = next((r for r in rows if r["factor"] == factor and "quota_cores" in r), None)
+        if quota is not None:
+            cores = ", ".join(f"{c:g}" for c in quota["quota_cores"])
+            held = ", ".join(f"{t:.1f}" for t in quota["throttled_s"])
+            print(f"{factor:g}x: quotas (cores by rank) {cores}; throttled s by rank {held}")
 
 
 if __name__ == "__main__":

@@ -121,9 +121,14 @@ class WorkerStats:
     iteration_s_sum: float = 0.0
     batch_size: int = 0
     batch_size_sum: int = 0
+    staleness_sum: int = 0
 
     def mean_iteration_s(self) -> float:
         return self.iteration_s_sum / self.pushes if self.pushes else 0.0
+
+    def mean_staleness(self) -> float:
+        """Mean staleness of this worker's applied contributions (0 before any)."""
+        return self.staleness_sum / self.applied if self.applied else 0.0
 
 
 @dataclass
@@ -148,17 +153,31 @@ class ServerStats:
     def max_staleness(self) -> int:
         return max(self.histogram, default=0)
 
+    @property
+    def worker_mean_staleness(self) -> float:
+        """The mean over workers of each worker's mean staleness (workers with an applied contribution).
+
+        :attr:`mean_staleness` is the mean over contributions, which weighs each worker by how often
+        it pushes; with ``W`` workers pushing as in ASGD it is about ``W - 1`` whatever their
+        speeds, while this mean grows with the spread of the speeds (a slow worker's few pushes
+        are very stale). Which of the two a paper calls "average staleness" is often unsaid.
+        """
+        means = [s.mean_staleness() for s in self.workers.values() if s.applied]
+        return sum(means) / len(means) if means else 0.0
+
     def summary(self) -> dict[str, float]:
         """Flat scalar metrics for a logger."""
         out = {
             "ps/staleness_mean": self.mean_staleness,
             "ps/staleness_max": float(self.max_staleness),
+            "ps/staleness_worker_mean": self.worker_mean_staleness,
             "ps/updates": float(self.updates),
             "ps/applied": float(self.applied),
         }
         for w, s in sorted(self.workers.items()):
             out[f"ps/worker{w}/iteration_s"] = s.mean_iteration_s()
             out[f"ps/worker{w}/batch_size"] = float(s.batch_size)
+            out[f"ps/worker{w}/staleness_mean"] = s.mean_staleness()
         return out
 
     def state_dict(self) -> dict[str, Any]:
@@ -210,6 +229,7 @@ class ServerCore:
         for r in requests:
             self.stats.histogram[self.staleness(r)] += 1
             self.stats.workers[r.worker].applied += 1
+            self.stats.workers[r.worker].staleness_sum += self.staleness(r)
             if self.trace is not None:
                 self.trace.append((r.worker, self.staleness(r)))
         self.stats.updates += 1

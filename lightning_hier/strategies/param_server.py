@@ -29,6 +29,7 @@ from lightning_hier.algorithms.ps_link import SERVERS, served_workers
 from lightning_hier.algorithms.ps_rules import AsgdHandler, SoftsyncHandler
 from lightning_hier.strategies._base import HierStrategy
 from lightning_hier.strategies._ps_adapter import HandlerFactory, PSAdapter
+from lightning_hier.strategies._step_sync import local_sigterm_check
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -113,6 +114,7 @@ class ParameterServerWorker(HierStrategy):
 
     @override
     def _setup_algorithm(self, trainer: pl.Trainer) -> None:
+        local_sigterm_check(trainer)  # else Lightning's per-step broadcast keeps the workers in lock-step
         optimizer = self._require_single_optimizer()
         if self._service_group is None:  # a collective: every rank sets up together, once
             self._service_group = self.topology.build_service_group(self._timeout)
@@ -209,8 +211,9 @@ class AsgdStrategy(ParameterServerWorker):
     the user's (same class and hyperparameters; rank 0's learning-rate schedule is followed), so
     momentum and Adam moments live on the server. Validation during fit, checkpoints'
     ``state_dict`` and every rank's module after fit hold the server's model. Staleness (server
-    updates between a worker's pull and its push) is logged as ``ps/staleness_mean`` and
-    ``ps/staleness_max``, with each worker's iteration time and batch size (rank 0's logger, every
+    updates between a worker's pull and its push) is logged as ``ps/staleness_mean`` (over
+    gradients), ``ps/staleness_worker_mean`` (over workers' means) and ``ps/staleness_max``, with
+    each worker's mean staleness, iteration time and batch size (rank 0's logger, every
     ``log_every_n_steps`` steps; ``last_metrics`` holds the latest after every step).
     Resuming restores the server's model, optimizer and counters, but is not bit-identical: the
     order in which gradients arrive depends on timing.

@@ -1,5 +1,7 @@
 """The DBS-SGD asynchronous study's code path, on the built-in digits (three forked ranks)."""
 
+import pytest
+
 from benchmarks.studies.dbs_async import STRATEGIES, _work
 from lightning_hier.testing import run_workers
 
@@ -11,5 +13,7 @@ def test_study_fits_each_strategy_and_reads_staleness_and_accuracy_at_equal_wall
     for r in rows:
         assert r["equal_wall_s"] == equal and 0.0 <= r["acc_equal_wall"] <= 1.0 and r["acc_end"] > 0.1
         assert r["staleness_max"] >= r["staleness_mean"] >= 0.0
+        assert r["staleness_max"] >= max(r["staleness_by_worker"])
+        assert r["staleness_worker_mean"] == pytest.approx(sum(r["staleness_by_worker"]) / 3)
     dbs = rows[0]
     assert sum(dbs["sizes"]) == 48 and len(dbs["speeds"]) == 3  # rebalanced at least once

@@ -60,12 +60,15 @@ def _scripted() -> dict:
     if server is None:
         return {}
     server.join(30)
-    return {"trace": server.core.trace, "w": server.consensus()[0].tolist(), "version": server.core.version}
+    means = {w: s.mean_staleness() for w, s in server.core.stats.workers.items()}
+    w = server.consensus()[0].tolist()
+    return {"trace": server.core.trace, "w": w, "version": server.core.version, "means": means}
 
 
 def test_scripted_arrival_order_reproduces_hand_computed_staleness_and_weights():
     out = run_workers(_scripted, devices=3, timeout=60)[0]
     assert out["trace"] == STALENESS
+    assert out["means"] == {0: 2.0, 1: 1.5, 2: 1.0}  # per worker, from STALENESS
     assert out["version"] == 6
     assert out["w"] == pytest.approx(_replay(), abs=1e-6)
 

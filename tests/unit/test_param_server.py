@@ -43,6 +43,26 @@ def test_asgd_staleness_and_staleness_aware_lr():
     assert core.stats.mean_staleness == pytest.approx(5 / 4) and core.stats.max_staleness == 3
 
 
+def test_per_worker_staleness_of_a_scripted_arrival_order_with_one_slow_worker():
+    # workers 0 and 1 push four times while the slow worker 2 pushes once (speeds 1, 1, 1/4)
+    core = ServerCore(AsgdHandler(FlatModel([torch.zeros(1)], lr=1.0)), workers=[0, 1, 2], trace=True)
+    pulled = {w: core.serve(Request(w, PULL))[w].version for w in range(3)}
+    for w in [0, 1, 0, 1, 0, 1, 0, 1, 2]:
+        pulled[w] = core.serve(_push(w, [1.0], pulled[w]))[w].version
+    # by hand: w0 pulled v0, pushes at v0, v2, v4, v6 having pulled v0, v1, v3, v5: 0, 1, 1, 1;
+    # w1 at v1, v3, v5, v7 having pulled v0, v2, v4, v6: 1, 1, 1, 1; w2 at v8 having pulled v0: 8
+    assert core.trace == [(0, 0), (1, 1), (0, 1), (1, 1), (0, 1), (1, 1), (0, 1), (1, 1), (2, 8)]
+    stats = core.stats
+    assert [stats.workers[w].mean_staleness() for w in range(3)] == [0.75, 1.0, 8.0]
+    assert stats.worker_mean_staleness == pytest.approx((0.75 + 1.0 + 8.0) / 3)  # 3.25
+    assert stats.mean_staleness == pytest.approx(15 / 9)  # per gradient: the slow worker's one push weighs 1/9
+    summary = stats.summary()
+    assert summary["ps/staleness_worker_mean"] == pytest.approx(3.25) and summary["ps/worker2/staleness_mean"] == 8.0
+    restored = ServerCore(AsgdHandler(FlatModel([torch.zeros(1)], lr=1.0)), workers=[0, 1, 2])
+    restored.load_state_dict(core.state_dict())
+    assert restored.stats.worker_mean_staleness == pytest.approx(3.25)
+
+
 def test_softsync_n1_is_synchronous_sgd_on_the_concatenated_batches():
     workers = [0, 1, 2]
     core = ServerCore(SoftsyncHandler(FlatModel([torch.zeros(2)], lr=0.5), workers=3, n=1), workers)
