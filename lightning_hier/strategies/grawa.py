@@ -27,6 +27,7 @@ from lightning_hier.comm.collectives import Group
 from lightning_hier.strategies._async_rounds import AsyncRounds
 from lightning_hier.strategies._finite import loss_of
 from lightning_hier.strategies._probe import draw, first, fresh_batches_of, isolated_rng
+from lightning_hier.strategies._step_sync import local_sigterm_check
 from lightning_hier.strategies._two_level import TWO_LEVEL_ARGS
 from lightning_hier.strategies._user_model import muted_logs
 from lightning_hier.strategies.averaging import AveragingStrategy
@@ -180,6 +181,7 @@ class GrawaStrategy(AveragingStrategy):
     def _setup_algorithm(self, trainer: pl.Trainer) -> None:
         super()._setup_algorithm(trainer)
         if self.rounds == "async" and self.algorithm is not None:
+            local_sigterm_check(trainer)  # else Lightning's per-step broadcast keeps the workers in lock-step
             policy = self.algorithm.policy
             assert isinstance(policy, AsyncGradientWeightedCenter)
             self._async = AsyncRounds.start(self.topology, self.algorithm.flat, self.variant, self._timeout)

@@ -8,7 +8,7 @@ import lightning.pytorch as pl
 import pytest
 from lightning.pytorch.callbacks import Callback
 
-from lightning_hier import AsgdStrategy, AsyncDBSStrategy
+from lightning_hier import AsgdStrategy, AsyncDBSStrategy, GrawaStrategy
 from lightning_hier.testing import run_workers
 from tests.helpers import digits, digits_classifier, trainer
 
@@ -36,8 +36,11 @@ class HoldFirstBatch(Callback):
 
 
 def _fit(name: str, flag: Path) -> bool | None:
+    strategy: AsgdStrategy | AsyncDBSStrategy | GrawaStrategy
     if name == "asgd":
-        strategy: AsgdStrategy | AsyncDBSStrategy = AsgdStrategy(timeout=60)
+        strategy = AsgdStrategy(timeout=60)
+    elif name == "mgrawa_async":  # a worker meets the server only after its own tau steps
+        strategy = GrawaStrategy(variant="model", rounds="async", tau=8, timeout=60)
     else:  # its allocation's all-gathers (a designed meeting point) only after the test's steps
         strategy = AsyncDBSStrategy(rebalance_every=50, warmup_steps=0, timeout=60)
     hold = HoldFirstBatch(flag)
@@ -47,6 +50,6 @@ def _fit(name: str, flag: Path) -> bool | None:
     return hold.saw_rank0_ahead
 
 
-@pytest.mark.parametrize("name", ["asgd", "dbs_async"])
+@pytest.mark.parametrize("name", ["asgd", "dbs_async", "mgrawa_async"])
 def test_a_fast_worker_runs_ahead_of_a_held_one(tmp_path, name):
     assert run_workers(_fit, name, tmp_path / "ahead", devices=2, timeout=90)[1] is True
