@@ -244,6 +244,15 @@ WORKLOADS: dict[str, Workload] = {
             # the pipeline's speed-up is over single-process backprop at the pipeline's global batch
             one_process=("data.batch_size=256",),
         ),
+        Workload(  # issue 19: a network of 10 blocks, which a cut can balance better than the CNN's 4
+            "decoupled_resnet20",
+            "decoupled",
+            "decoupled_cifar10_cnn",
+            "ResNet-20 (10 blocks) on CIFAR-10 (20k images), 2 stages",
+            0.55,
+            overrides=("model=resnet20",),
+            one_process=("data.batch_size=256",),
+        ),
         Workload(
             "grid2d_mlp", "grid2d", "grid2d_cifar10_mlp", "MLP 3x2048 on CIFAR-10 (20k images), global batch 256", 0.35
         ),
@@ -342,6 +351,28 @@ SCENARIOS: tuple[Scenario, ...] = (
         "decoupled",
         {"order": "backward_first"},
         label="decoupled-fdg-order",
+        overrides=("data.batch_size=256",),
+    ),
+    # the communication-aware cut (1 Gbit/s between the stages) on a network whose blocks balance
+    Scenario(
+        "decoupled_resnet20",
+        "decoupled",
+        {"link_gbps": 1.0},
+        label="decoupled-cut",
+        overrides=("data.batch_size=256",),
+    ),
+    Scenario(
+        "decoupled_resnet20",
+        "decoupled",
+        {"link_gbps": 1.0, "wire_dtype": "bf16"},
+        label="decoupled-cut-bf16",
+        overrides=("data.batch_size=256",),
+    ),
+    Scenario(
+        "decoupled_resnet20",
+        "decoupled",
+        {"link_gbps": 1.0, "order": "backward_first"},
+        label="decoupled-cut-fdg-order",
         overrides=("data.batch_size=256",),
     ),
     # plain backprop through the same 2 stages (one stage idle at a time): the no-overlap baseline
