@@ -59,6 +59,7 @@ class StepProfile(Callback):
         self._step_parts: dict[str, float] = defaultdict(float)
         self._batch_start: float | None = None
         self._batch_end: float | None = None
+        self._cpu_start = self._cpu_end = 0.0
         self._usage = resource.getrusage(resource.RUSAGE_SELF)
         self._t0 = 0.0
         self._pipeline = False  # a pipeline stage: its training step is timed by its wrapped methods
@@ -109,12 +110,15 @@ class StepProfile(Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        now = time.perf_counter()
+        now, cpu = time.perf_counter(), time.thread_time()
         if self._batch_start is not None and self._batch_end is not None:
             self._add("lightning", now - self._batch_end)
             self._add("step", now - self._batch_start)
+            # the main thread's CPU time: far below the wall time where it waited (or lost its core)
+            self._add("lightning cpu", cpu - self._cpu_end)
+            self._add("step cpu", cpu - self._cpu_start)
             self._close_step()
-        self._batch_start = now
+        self._batch_start, self._cpu_start = now, cpu
         if not self._pipeline:
             self._mark("forward")
 
@@ -138,7 +142,7 @@ class StepProfile(Callback):
     ) -> None:
         if "update" in self._open:
             self._add("update", self._since("update"))
-        self._batch_end = time.perf_counter()
+        self._batch_end, self._cpu_end = time.perf_counter(), time.thread_time()
 
     def _close_step(self) -> None:
         parts = self._step_parts
@@ -237,23 +241,30 @@ def _profile(log: str) -> dict[str, Any]:
 
 
 PARTS = ("step", "forward", "backward", "update", "recv wait", "send wait", "post", "lightning")
+CPU_PARTS = ("step cpu", "lightning cpu")
 
 
 def table(results: list[tuple[str, list[dict[str, Any]]]]) -> str:
-    """Markdown: one row per rank of each run, median milliseconds per step by part, and the
-    rank's user and system CPU time as a share of its fit's wall time."""
+    """Markdown: one row per rank of each run, median milliseconds per step by part, the main
+    thread's CPU milliseconds of the step and of Lightning's part, and the rank's (all threads')
+    user and system CPU time as a share of its fit's wall time."""
     lines = [
-        "| run | rank | threads | " + " | ".join(PARTS) + " | rest | user CPU | sys CPU |",
-        "|---" * (len(PARTS) + 6) + "|",
+        "| run | rank | threads | "
+        + " | ".join(PARTS)
+        + " | rest | "
+        + " | ".join(CPU_PARTS)
+        + " | user CPU | sys CPU |",
+        "|---" * (len(PARTS) + len(CPU_PARTS) + 6) + "|",
     ]
     for label, ranks in results:
         for p in ranks:
             ms = p["median_ms"]
             known = sum(ms.get(k, 0.0) for k in PARTS[1:])
+            cpu_cells = " | ".join(f"{ms[k]:.1f}" if k in ms else "-" for k in CPU_PARTS)
             cells = " | ".join(f"{ms[k]:.1f}" if k in ms else "-" for k in PARTS)
             cpu = p["cpu_share"]
             lines.append(
-                f"| {label} | {p['rank']} | {p['threads']} | {cells} | {ms.get('step', 0.0) - known:.1f} "
+                f"| {label} | {p['rank']} | {p['threads']} | {cells} | {ms.get('step', 0.0) - known:.1f} | {cpu_cells} "
                 f"| {cpu['user']:.0%} | {cpu['sys']:.0%} |"
             )
     return "\n".join(lines)
