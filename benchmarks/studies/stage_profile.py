@@ -1,7 +1,7 @@
 """Where a pipeline stage's step goes, against single-process backprop (issue 19).
 
 On an emulated cluster (:mod:`benchmarks.netns`) one invocation runs the ``decoupled_cnn``
-workload's single-process run (one rank) and its pipeline runs (two ranks, one core each), each
+workload's (or ``--workload``'s) single-process run (one rank) and its pipeline runs (two ranks, one core each), each
 for a few hundred images, with a :class:`StepProfile` callback on every rank. The callback times,
 per training step (median over the steps after a warm-up):
 
@@ -209,7 +209,7 @@ def profile_runs(args: argparse.Namespace) -> list[tuple[str, list[dict[str, Any
     from benchmarks.netns import EmulatedCluster, Link
     from benchmarks.scenarios import SCENARIOS, WORKLOADS, one_process_reference
 
-    w = WORKLOADS["decoupled_cnn"]
+    w = WORKLOADS[args.workload]
     one = one_process_reference(w.name)
     assert one is not None
     wanted = [one] + [sc for sc in SCENARIOS if sc.workload == w.name and sc.label in args.runs]
@@ -273,7 +273,8 @@ def table(results: list[tuple[str, list[dict[str, Any]]]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.studies.stage_profile", description=__doc__.split("\n")[0])
     p.add_argument("--images", type=int, default=2560, help="training images (one epoch; global batch 256)")
-    p.add_argument("--runs", nargs="+", default=["decoupled"], help="labels of decoupled_cnn scenarios to profile")
+    p.add_argument("--workload", default="decoupled_cnn", help="a workload with a single-process run")
+    p.add_argument("--runs", nargs="+", default=["decoupled"], help="labels of the workload's scenarios to profile")
     p.add_argument("--set", nargs="*", default=[], help="extra Hydra overrides of every run")
     p.add_argument("--data-root", type=Path, help="CIFAR-10 (default: shared/datasets/cifar10-jpeg.tar.gz)")
     p.add_argument("--cprofile", action="store_true", help="also cProfile each rank's main thread (to the logs)")
