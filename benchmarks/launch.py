@@ -51,10 +51,27 @@ class JobResult:
     ranks_per_node: int = 1
 
 
-def rank_env(cluster: EmulatedCluster, rank: int, port: int, run_id: str) -> dict[str, str]:
-    """The environment of ``rank``: the runner's, minus other launchers' variables, plus torchrun's."""
+def job_layout(cluster: EmulatedCluster, ranks: int) -> tuple[int, int]:
+    """``(ranks per node, nodes)`` of a job on the first ``ranks`` ranks of ``cluster``.
+
+    Raises:
+        ValueError: ``ranks`` exceeds the cluster, or fills a node only partly beyond the first.
+    """
+    per_node = cluster.ranks_per_node
+    if not 1 <= ranks <= cluster.ranks or (ranks > per_node and ranks % per_node):
+        raise ValueError(
+            f"run_job: `ranks` must be in [1, {cluster.ranks}] and, beyond one node, a multiple of its "
+            f"{per_node} ranks, got {ranks}."
+        )
+    return (ranks, 1) if ranks < per_node else (per_node, ranks // per_node)
+
+
+def rank_env(cluster: EmulatedCluster, rank: int, port: int, run_id: str, ranks: int | None = None) -> dict[str, str]:
+    """The environment of ``rank`` in a job on the first ``ranks`` ranks (default all): the runner's,
+    minus other launchers' variables, plus torchrun's."""
     env = {k: v for k, v in os.environ.items() if k not in _FOREIGN_ENV and not k.startswith(_FOREIGN_ENV_PREFIXES)}
-    env.update(worker_env(rank, devices=cluster.ranks_per_node, num_nodes=cluster.nodes, port=port, run_id=run_id))
+    devices, nodes = job_layout(cluster, cluster.ranks if ranks is None else ranks)
+    env.update(worker_env(rank, devices=devices, num_nodes=nodes, port=port, run_id=run_id))
     del env["TORCHELASTIC_USE_AGENT_STORE"]  # rank 0 hosts the store at MASTER_ADDR, as on real nodes
     env["MASTER_ADDR"] = cluster.address(0)
     env["GLOO_SOCKET_IFNAME"] = cluster.interface
@@ -76,8 +93,9 @@ def run_job(
     port: int,
     timeout_s: float,
     straggler: Straggler | None = None,
+    ranks: int | None = None,
 ) -> JobResult:
-    """Run the worker spec on every rank of ``cluster``; return the collected measurements.
+    """Run the worker spec on the first ``ranks`` ranks of ``cluster``; return the collected measurements.
 
     Args:
         cluster: The (built) emulated cluster; ``cluster.ranks_per_node`` ranks per namespace.
@@ -87,28 +105,32 @@ def run_job(
         port: ``MASTER_PORT`` of this job (use a fresh one per job).
         timeout_s: Deadline for the whole job.
         straggler: A cgroup-mode straggler to apply (delay mode travels in ``spec``).
+        ranks: How many of the cluster's ranks the job uses (default all; 1: one process).
 
     Raises:
         JobFailed: A rank exited non-zero, or the deadline passed; all ranks were ended.
+        ValueError: ``ranks`` does not fit the cluster (see :func:`job_layout`).
     """
+    ranks = cluster.ranks if ranks is None else ranks
+    per_node, _ = job_layout(cluster, ranks)
     run_dir.mkdir(parents=True, exist_ok=True)
     spec_path = run_dir / "spec.json"
-    layout = {"ranks": cluster.ranks, "ranks_per_node": cluster.ranks_per_node}
+    layout = {"ranks": ranks, "ranks_per_node": per_node}
     spec_path.write_text(json.dumps({**spec, **layout, "out_dir": str(run_dir)}, indent=1))
-    cores = pinned_cores(cluster.ranks)
+    cores = pinned_cores(ranks)
     before = [cluster.counters(n) for n in range(cluster.nodes)]
     start = time.perf_counter()
     with _quota(straggler, cluster.tag) as quota:
         procs: list[subprocess.Popen[bytes]] = []
         try:
-            _start(cluster, spec_path, run_dir, port, cores, quota, straggler, procs)
+            _start(cluster, spec_path, run_dir, port, cores, quota, straggler, procs, ranks)
             _wait(procs, run_dir, timeout_s)
         finally:
             end_ranks(procs)
         throttled = quota.throttled_s() if quota is not None else None
     launch_s = time.perf_counter() - start
     after = [cluster.counters(n) for n in range(cluster.nodes)]
-    reports = [json.loads((run_dir / f"rank{r}.json").read_text()) for r in range(cluster.ranks)]
+    reports = [json.loads((run_dir / f"rank{r}.json").read_text()) for r in range(ranks)]
     return JobResult(
         ranks=reports,
         tx_bytes=[a["tx"] - b["tx"] for a, b in zip(after, before, strict=True)],
@@ -117,7 +139,7 @@ def run_job(
         throttled_s=throttled,
         cores=cores,
         intra_bytes=[a["intra_tx"] - b["intra_tx"] for a, b in zip(after, before, strict=True)],
-        ranks_per_node=cluster.ranks_per_node,
+        ranks_per_node=per_node,
     )
 
 
@@ -143,13 +165,14 @@ def _start(
     quota: CpuQuota | None,
     straggler: Straggler | None,
     procs: list[subprocess.Popen[bytes]],
+    ranks: int,
 ) -> None:
-    """Start every rank, appending each to ``procs`` (owned by the caller, who ends them)."""
+    """Start the first ``ranks`` ranks, appending each to ``procs`` (owned by the caller, who ends them)."""
     run_id = uuid.uuid4().hex[:12]
     # an interrupt inside Popen, after the fork, would leave a started rank untracked (and its
     # cgroup busy): interrupts wait until every rank is in `procs`
     with interrupts_deferred():
-        for rank in range(cluster.ranks):
+        for rank in range(ranks):
             argv = [*cluster.exec_prefix(rank), "taskset", "-c", str(cores[rank])]
             argv += [sys.executable, "-m", "benchmarks.worker", str(spec_path)]
             slow = quota is not None and straggler is not None and rank in straggler.ranks
@@ -158,7 +181,7 @@ def _start(
                     subprocess.Popen(
                         argv,
                         cwd=REPO,
-                        env=rank_env(cluster, rank, port, run_id),
+                        env=rank_env(cluster, rank, port, run_id, ranks),
                         stdout=log,
                         stderr=subprocess.STDOUT,
                         start_new_session=True,  # its own process group: ended as a whole, never by name

@@ -79,6 +79,8 @@ def predict_run(label: str, run: dict[str, Any], result: dict[str, Any], world: 
     strategy = "no-comm" if label == NO_COMM else run.get("strategy", "")
     if reference is None or "error" in reference or "error" in run or strategy not in MODELS or strategy in UNMODELLED:
         return None
+    if int(run.get("ranks", world)) != world:  # a run on part of the cluster (the single-process baseline)
+        return None
     straggler = result.get("straggler")
     factor = float(straggler["factor"]) if straggler else 1.0
     workload = _workload(label, run, reference, world, factor)

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from benchmarks.predicted import predicted_table
-from benchmarks.scenarios import BASELINE, NO_COMM, Scenario, Target, Workload
+from benchmarks.scenarios import BASELINE, NO_COMM, ONE_PROCESS, Scenario, Target, Workload
 
 if TYPE_CHECKING:
     from benchmarks.launch import JobResult
@@ -99,9 +99,11 @@ def compare(workload: Workload, runs: dict[str, dict[str, Any]]) -> dict[str, An
         runs: Run summaries by label (failed runs hold only ``error``).
 
     Returns:
-        ``{"equal_time_s": T, "rows": {label: {...ratios...}}}``. Runs that expose no blocked time
-        (DDP and its peers, DDP with torch's communication hooks) get ``blocked_s`` estimated as
-        their training time minus the no-communication reference's, when it ran.
+        ``{"equal_time_s": T, "rows": {label: {...ratios...}}}``; ``samples_per_s_vs_one_process``
+        divides by the single-process run of the same invocation (NaN without one). Runs that
+        expose no blocked time (DDP and its peers, DDP with torch's communication hooks) get
+        ``blocked_s`` estimated as their training time minus the no-communication reference's,
+        when it ran (not the single-process run: it has no link to block on).
     """
     done = {k: r for k, r in runs.items() if "error" not in r}
     base = done.get(BASELINE)
@@ -109,7 +111,7 @@ def compare(workload: Workload, runs: dict[str, dict[str, Any]]) -> dict[str, An
     equal_t = min(trained) if trained else math.nan
     ref = done.get(NO_COMM)
     for label, run in done.items():
-        if ref is not None and label != NO_COMM and run["blocked_s"] is None:
+        if ref is not None and label not in (NO_COMM, ONE_PROCESS) and run["blocked_s"] is None:
             run["blocked_s"] = max(0.0, run["train_s"] - ref["train_s"])
             run["blocked_estimated"] = True
     rows: dict[str, dict[str, Any]] = {}
@@ -121,6 +123,8 @@ def compare(workload: Workload, runs: dict[str, dict[str, Any]]) -> dict[str, An
         for metric in ("samples_per_s", "epoch_s", "bytes_per_epoch", "final_acc"):
             row[f"{metric}_ratio"] = _ratio(run[metric], base[metric]) if base is not None else math.nan
         row["final_acc_delta"] = run["final_acc"] - base["final_acc"] if base is not None else math.nan
+        one = done.get(ONE_PROCESS)  # single-process backprop of the same invocation, where the workload has it
+        row["samples_per_s_vs_one_process"] = _ratio(run["samples_per_s"], one["samples_per_s"]) if one else math.nan
         rows[label] = row
     return {"equal_time_s": equal_t, "rows": rows}
 
@@ -205,15 +209,18 @@ def workload_table(workload: Workload, result: dict[str, Any], two_level: bool =
     each rank sent inside its node, beside those between nodes)."""
     comp = result["comparison"]
     intra = " intra MB/epoch/rank |" if two_level else ""
+    one = ONE_PROCESS in result["runs"]  # "x one process": divided by that run of the same invocation
     head = (
-        f"| run | arguments | samples/s | x DDP | epoch s | x DDP | time to {workload.target_acc:.0%} s "
+        f"| run | arguments | samples/s | x DDP |{' x one process |' if one else ''} epoch s | x DDP "
+        f"| time to {workload.target_acc:.0%} s "
         f"| val acc | vs DDP | acc @ {_fmt(comp['equal_time_s'], '.0f')} s | MB/epoch/rank | x DDP |{intra}"
         " blocked s | peak MiB |"
     )
-    lines = [head, "|" + "---|" * (15 if two_level else 14)]
+    columns = 14 + two_level + one
+    lines = [head, "|" + "---|" * columns]
     for label, run in result["runs"].items():
         if "error" in run:
-            cells = " |" * (13 if two_level else 12)
+            cells = " |" * (columns - 2)
             lines.append(f"| {label} | failed: {run['error'].splitlines()[0][:120]} |{cells}")
             continue
         intra = f" {_fmt(run.get('intra_bytes_per_epoch', math.nan) / MiB, '.1f')} |" if two_level else ""
@@ -222,7 +229,8 @@ def workload_table(workload: Workload, result: dict[str, Any], two_level: bool =
         lines.append(
             f"| {label} | {_args(run)} | {_fmt(run['samples_per_s'], '.0f')}{_spread(run)} "
             f"| {_fmt(row['samples_per_s_ratio'], '.2f')} "
-            f"| {_fmt(run['epoch_s'], '.1f')} | {_fmt(row['epoch_s_ratio'], '.2f')} "
+            + (f"| {_fmt(row.get('samples_per_s_vs_one_process'), '.2f')} " if one else "")
+            + f"| {_fmt(run['epoch_s'], '.1f')} | {_fmt(row['epoch_s_ratio'], '.2f')} "
             f"| {_fmt(row['time_to_target_s'], '.0f')} | {_fmt(run['final_acc'], '.3f')} "
             f"| {_fmt(row['final_acc_delta'], '+.3f')} | {_fmt(row['acc_at_equal_time'], '.3f')} "
             f"| {_fmt(run['bytes_per_epoch'] / MiB, '.1f')} | {_fmt(row['bytes_per_epoch_ratio'], '.3f')} |{intra}"

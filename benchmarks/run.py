@@ -158,7 +158,8 @@ def validate(args: argparse.Namespace, the_plan: Plan, data: list[str]) -> None:
     for name, scenarios in the_plan.runs.items():
         w = WORKLOADS[name]
         for sc in scenarios:
-            layout = layout_overrides(args.ranks, getattr(args, "ranks_per_node", 1))
+            ranks = sc.ranks or args.ranks
+            layout = layout_overrides(ranks, min(ranks, getattr(args, "ranks_per_node", 1)))
             overrides = [*run_overrides(args, w, sc, data), *RUN_OVERRIDES, *layout]
             try:
                 build_strategy(compose_config(overrides, str(w.searchpath)))
@@ -242,7 +243,8 @@ def run_workload(
         for sc in scenarios:
             if "error" in entry["runs"].get(sc.label, {}):
                 continue
-            spec = {"ranks": args.ranks, "searchpath": str(w.searchpath), "overrides": run_overrides(args, w, sc, data)}
+            ranks = sc.ranks or args.ranks
+            spec = {"ranks": ranks, "searchpath": str(w.searchpath), "overrides": run_overrides(args, w, sc, data)}
             spec["delay"] = _delay(straggler)
             tag = f" (repeat {repeat + 1}/{args.repeats})" if args.repeats > 1 else ""
             print(f"[bench] {w.name} / {sc.label}{tag}: {' '.join(sc.hydra_overrides())}", flush=True)
@@ -250,7 +252,13 @@ def run_workload(
             try:
                 with exclusive(args.lock):
                     job = run_job(
-                        cluster, spec, work / f"{sc.label}-{repeat}", next(ports), args.timeout, _cgroup(straggler)
+                        cluster,
+                        spec,
+                        work / f"{sc.label}-{repeat}",
+                        next(ports),
+                        args.timeout,
+                        _cgroup(straggler),
+                        ranks,
                     )
                 done.setdefault(sc.label, []).append(summarize(sc, job))
                 entry["runs"][sc.label] = median_run(done[sc.label])

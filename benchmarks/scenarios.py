@@ -26,6 +26,7 @@ REPO = Path(__file__).resolve().parents[1]
 RECIPES = REPO / "recipes"
 BASELINE = "ddp"
 NO_COMM = "no-comm"
+ONE_PROCESS = "one-process"
 METRICS = ("samples_per_s", "epoch_s", "bytes_per_epoch", "final_acc", "time_to_target_s", "acc_at_equal_time")
 OPS = (">=", "<=", "~")
 APPROX_TOLERANCE = 1.5  # '~' is met within a factor 1.5 of the value, either way
@@ -51,6 +52,9 @@ class Workload:
         overrides: Hydra overrides of every run of the workload (DDP's too, so the comparisons stay
             fair), applied after the experiment and before ``quick``, the scenario's and the command
             line's (``--epochs`` replaces a ``trainer.max_epochs`` here).
+        one_process: Overrides of a single-process backprop run (one rank on one core, no link)
+            that every invocation of the workload adds after DDP, so that a speed-up over one
+            process is measured side by side (see :func:`one_process_reference`); ``None``: none.
     """
 
     name: str
@@ -64,6 +68,7 @@ class Workload:
     two_level: bool = False
     quick: tuple[str, ...] = ("data.train_size=4096", "trainer.max_epochs=2", "++trainer.limit_val_batches=4")
     overrides: tuple[str, ...] = ()
+    one_process: tuple[str, ...] | None = None
 
     @property
     def searchpath(self) -> Path:
@@ -133,6 +138,8 @@ class Scenario:
         label: Name in tables (default: the strategy name).
         overrides: Extra Hydra overrides for this run only, e.g. ``data.batch_size=256`` for a
             layout with one data-parallel replica, so the global batch stays DDP's.
+        ranks: Run on only the first ``ranks`` ranks of the cluster (``None``: all of them), e.g. 1
+            for the single-process baseline.
     """
 
     workload: str
@@ -141,8 +148,12 @@ class Scenario:
     target: Target | tuple[Target, ...] | None = None
     label: str = ""
     overrides: tuple[str, ...] = ()
+    ranks: int | None = None
 
     def __post_init__(self) -> None:
+        if self.ranks is not None and self.ranks < 1:
+            who = self.label or self.strategy
+            raise ValueError(f"Scenario {who!r}: `ranks` must be >= 1 or None, got {self.ranks}.")
         object.__setattr__(self, "args", MappingProxyType(dict(self.args)))
         if not self.label:
             object.__setattr__(self, "label", self.strategy)
@@ -225,7 +236,22 @@ WORKLOADS: dict[str, Workload] = {
             two_level=True,
         ),
         Workload(
-            "decoupled_cnn", "decoupled", "decoupled_cifar10_cnn", "small CNN on CIFAR-10 (20k images), 2 stages", 0.55
+            "decoupled_cnn",
+            "decoupled",
+            "decoupled_cifar10_cnn",
+            "small CNN on CIFAR-10 (20k images), 2 stages",
+            0.55,
+            # the pipeline's speed-up is over single-process backprop at the pipeline's global batch
+            one_process=("data.batch_size=256",),
+        ),
+        Workload(  # issue 19: a network of 10 blocks, which a cut can balance better than the CNN's 4
+            "decoupled_resnet20",
+            "decoupled",
+            "decoupled_cifar10_cnn",
+            "ResNet-20 (10 blocks) on CIFAR-10 (20k images), 2 stages",
+            0.55,
+            overrides=("model=resnet20",),
+            one_process=("data.batch_size=256",),
         ),
         Workload(
             "grid2d_mlp", "grid2d", "grid2d_cifar10_mlp", "MLP 3x2048 on CIFAR-10 (20k images), global batch 256", 0.35
@@ -327,6 +353,28 @@ SCENARIOS: tuple[Scenario, ...] = (
         label="decoupled-fdg-order",
         overrides=("data.batch_size=256",),
     ),
+    # the communication-aware cut (1 Gbit/s between the stages) on a network whose blocks balance
+    Scenario(
+        "decoupled_resnet20",
+        "decoupled",
+        {"link_gbps": 1.0},
+        label="decoupled-cut",
+        overrides=("data.batch_size=256",),
+    ),
+    Scenario(
+        "decoupled_resnet20",
+        "decoupled",
+        {"link_gbps": 1.0, "wire_dtype": "bf16"},
+        label="decoupled-cut-bf16",
+        overrides=("data.batch_size=256",),
+    ),
+    Scenario(
+        "decoupled_resnet20",
+        "decoupled",
+        {"link_gbps": 1.0, "order": "backward_first"},
+        label="decoupled-cut-fdg-order",
+        overrides=("data.batch_size=256",),
+    ),
     # plain backprop through the same 2 stages (one stage idle at a time): the no-overlap baseline
     Scenario(
         "decoupled_cnn", "decoupled", {"schedule": "sync"}, label="decoupled-sync", overrides=("data.batch_size=256",)
@@ -387,6 +435,19 @@ def baseline(workload: str) -> Scenario:
     return Scenario(workload, BASELINE, {})
 
 
+def one_process_reference(workload: str) -> Scenario | None:
+    """Single-process backprop on the workload (one rank, one core, no link), or ``None``.
+
+    Lightning's DDP on a world of one rank, as ``python -m lightning_hier.train strategy=ddp
+    trainer.devices=1`` runs it: the model, data and optimizer of the workload, with its
+    :attr:`Workload.one_process` overrides (e.g. the pipeline's global batch).
+    """
+    overrides = WORKLOADS[workload].one_process
+    if overrides is None:
+        return None
+    return Scenario(workload, BASELINE, {}, label=ONE_PROCESS, overrides=overrides, ranks=1)
+
+
 @dataclass(frozen=True)
 class Plan:
     """The runs of one invocation, per workload (DDP first), and what was skipped and why."""
@@ -408,7 +469,8 @@ def plan(
         available: Registered strategy names that have a config (see :func:`available_strategies`).
         workloads: Only these workloads (default: all).
         strategies: Only scenarios of these strategies or labels (default: all).
-        reference: Also run the no-communication reference per workload.
+        reference: Also run the no-communication reference per workload (after DDP and the
+            single-process run of the workloads that have one).
         scenarios: The scenario table.
 
     Raises:
@@ -428,15 +490,21 @@ def plan(
         if sc.strategy not in available:
             skipped.append((sc, f"strategy '{sc.strategy}' is not registered yet (or has no conf/strategy file)"))
             continue
-        runs.setdefault(sc.workload, [baseline(sc.workload)]).append(sc)
+        runs.setdefault(sc.workload, _references(sc.workload)).append(sc)
     if reference:
         for name, entries in runs.items():
             ref = no_comm_reference(name)
             if ref.strategy in available:
-                entries.insert(1, ref)
+                entries.insert(len(_references(name)), ref)
             else:
                 skipped.append((ref, f"the no-communication reference needs '{ref.strategy}'"))
     return Plan(runs, skipped)
+
+
+def _references(workload: str) -> list[Scenario]:
+    """The runs every planned workload starts with: DDP, then single-process backprop where it has one."""
+    one = one_process_reference(workload)
+    return [baseline(workload)] + ([one] if one is not None else [])
 
 
 def _check_names(kind: str, names: Iterable[str] | None, known: Iterable[str]) -> set[str]:

@@ -107,3 +107,17 @@ def test_cgroup_quota_holds_the_rank_process(emulation):
     finally:
         quota.remove()
     assert not quota.path.exists()
+
+
+def test_a_job_on_one_rank_of_the_cluster_is_one_process(emulation, tmp_path):
+    """The single-process baseline (issue 19): one rank starts, a world of one, nothing on the links."""
+    tiny = ["data=synthetic", "data.train_size=64", "data.val_size=32", "strategy=ddp", "trainer.max_epochs=1"]
+    spec = {"searchpath": None, "overrides": tiny}
+    with EmulatedCluster(2, Link("1gbit")) as cluster:
+        job = run_job(cluster, spec, tmp_path, port=29394, timeout_s=120, ranks=1)
+        with pytest.raises(ValueError, match=r"`ranks` must be in \[1, 2\]"):
+            run_job(cluster, spec, tmp_path, port=29395, timeout_s=120, ranks=3)
+    assert [(r["rank"], r["world_size"], r["num_nodes"]) for r in job.ranks] == [(0, 1, 1)]
+    assert job.cores == job.cores[:1] and len(job.cores) == 1
+    assert sum(job.tx_bytes) < 64 * 1024  # no training traffic: at most the namespaces' own chatter
+    assert not (tmp_path / "rank1.log").exists()

@@ -20,7 +20,7 @@ from benchmarks.report import (
     workload_table,
 )
 from benchmarks.run import cpu_busy_fraction
-from benchmarks.scenarios import BASELINE, NO_COMM, WORKLOADS, Scenario, Target
+from benchmarks.scenarios import BASELINE, NO_COMM, ONE_PROCESS, WORKLOADS, Scenario, Target
 
 W = WORKLOADS["grawa_cnn"]  # target accuracy 0.55
 
@@ -232,3 +232,21 @@ def test_recorder_keeps_the_consensus_communication_on_the_training_clock():
     rec.on_train_end(trainer, None)
     assert rec.timeline[0]["train_s"] == 12.0 and rec.timeline[0]["wall_s"] == 15.0
     assert rec.train_s == 17.0  # 20 s of fit minus the 3 s spent on validation batches
+
+
+def test_the_table_divides_by_the_single_process_run_of_the_same_invocation():
+    runs = _runs()
+    one = _job(80.0, [0.5, 0.55, 0.6, 0.62], [0, 0], replicas=1)
+    one.ranks = one.ranks[:1]  # one rank: 1000 samples in 80 s
+    runs[ONE_PROCESS] = summarize(Scenario("grawa_cnn", BASELINE, label=ONE_PROCESS, ranks=1), one)
+    comp = compare(W, runs)
+    assert runs[ONE_PROCESS]["samples_per_s"] == 12.5
+    assert comp["rows"]["localsgd"]["samples_per_s_vs_one_process"] == pytest.approx(8.0)  # 100 / 12.5
+    assert runs[ONE_PROCESS]["blocked_s"] is None  # no link to block on: no estimate against no-comm
+    table = workload_table(W, {"runs": runs, "comparison": comp})
+    assert "| run | arguments | samples/s | x DDP | x one process | epoch s |" in table
+    assert "| localsgd | tau=8 | 100 | 2.00 | 8.00 | 5.0 | 0.50 |" in table
+    assert table.splitlines()[1] == "|" + "---|" * 15
+    # without that run the column is not there
+    del runs[ONE_PROCESS]
+    assert "x one process" not in workload_table(W, {"runs": runs, "comparison": compare(W, runs)})

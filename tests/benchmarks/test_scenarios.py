@@ -9,13 +9,16 @@ from benchmarks.rank import RUN_OVERRIDES, compose_config
 from benchmarks.scenarios import (
     BASELINE,
     NO_COMM,
+    ONE_PROCESS,
     SCENARIOS,
     WORKLOADS,
+    Plan,
     Scenario,
     Target,
     Workload,
     available_strategies,
     hydra_value,
+    one_process_reference,
     plan,
 )
 from benchmarks.straggler import Straggler
@@ -161,3 +164,27 @@ def test_workload_overrides_apply_to_every_run_and_yield_to_quick_and_epochs():
     assert _epochs(argparse.Namespace(quick=False, epochs=3, extra=[]), w, runs[0]) == 3  # --epochs: every run
     assert _epochs(argparse.Namespace(quick=True, epochs=None, extra=[]), w, runs[0]) == 2
     assert _epochs(full, WORKLOADS["hpsgd_mlp"], Scenario("hpsgd_mlp", BASELINE)) == 6  # others keep the recipe's
+
+
+def test_the_pipeline_workload_runs_single_process_backprop_beside_ddp_in_every_invocation():
+    """Issue 19: "x one process" divides by a run of the same invocation, even when only the
+    pipeline's scenarios are selected."""
+    table = [Scenario("decoupled_cnn", "decoupled", {}), Scenario("grawa_cnn", "localsgd", {"tau": 8})]
+    p = plan({"decoupled", "localsgd", BASELINE}, strategies=["decoupled", "localsgd"], reference=True, scenarios=table)
+    assert [s.label for s in p.runs["decoupled_cnn"]] == [BASELINE, ONE_PROCESS, NO_COMM, "decoupled"]
+    assert [s.label for s in p.runs["grawa_cnn"]] == [BASELINE, NO_COMM, "localsgd"]  # no single-process run
+    one = p.runs["decoupled_cnn"][1]
+    assert (one.strategy, one.ranks) == (BASELINE, 1)
+    # the pipeline's global batch, which one process then takes in one step
+    assert one.hydra_overrides() == ["strategy=ddp", "data.batch_size=256"]
+    assert one_process_reference("grawa_cnn") is None
+    # the runner composes it as one rank of one node, whatever the cluster
+    args = argparse.Namespace(quick=True, epochs=None, extra=[], ranks=2, ranks_per_node=2, straggler_mode="cgroup")
+    cfg = compose_config(
+        [*run.run_overrides(args, WORKLOADS["decoupled_cnn"], one, ["data=synthetic"]), *RUN_OVERRIDES],
+        str(WORKLOADS["decoupled_cnn"].searchpath),
+    )
+    assert cfg.data.batch_size == 256
+    run.validate(args, Plan({"decoupled_cnn": [one]}, []), ["data=synthetic"])
+    with pytest.raises(ValueError, match=r"`ranks` must be >= 1 or None, got 0"):
+        Scenario("decoupled_cnn", BASELINE, ranks=0)
