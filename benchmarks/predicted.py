@@ -10,6 +10,11 @@ Calibration, all from the same invocation (nothing is fitted to the run being pr
   is taken as 1 : 2 (it only matters for DDP's overlap);
 - link: the tc rate times :data:`EFFICIENCY` (944 Mbit/s measured by a socket test through the
   1 Gbit/s tbf link, docs/lightning.md section 10); ``unlimited``: the 7.9 Gbit/s measured there;
+- jitter: the ``no-comm`` run's spread of a step's time (``step_jitter_s``: each rank's Gini
+  estimate of the standard deviation, :func:`~lightning_hier.simulator.jitter.gini_sigma`, averaged
+  over the ranks; the straggler's factor divides it back too). On a shared machine other processes
+  take the ranks' cores now and then, and every synchronous strategy waits for the slower rank at
+  each synchronisation; results recorded before it was measured predict with none;
 - :data:`CPU_S_PER_BYTE`: gloo's reduction and copies on the rank's one core, fitted once on
   ``hpsgd_mlp`` (HPSGD, window 4, 1 Gbit/s) and kept for every run;
 - bytes per epoch: the model's wire bytes plus :data:`HEADERS` (TCP/IP framing), plus the
@@ -44,10 +49,10 @@ NO_COMM = "no-comm"
 UNMODELLED = ("decoupled", "grid2d")
 
 
-def _cluster(link: str, world: int, straggler: dict[str, Any] | None) -> Cluster:
+def _cluster(link: str, world: int, straggler: dict[str, Any] | None, jitter_s: float) -> Cluster:
     rate = parse_link(link, efficiency=EFFICIENCY) if link != "unlimited" else parse_link(f"{UNLIMITED_BITS / 1e9}gbit")
     speeds = one_straggler(world, float(straggler["factor"])) if straggler else ()
-    return Cluster(world, rate, "ring", speeds, cpu_s_per_byte=CPU_S_PER_BYTE)
+    return Cluster(world, rate, "ring", speeds, cpu_s_per_byte=CPU_S_PER_BYTE, jitter_s=jitter_s)
 
 
 def _workload(name: str, run: dict[str, Any], reference: dict[str, Any], world: int, factor: float) -> Workload | None:
@@ -84,7 +89,8 @@ def predict_run(label: str, run: dict[str, Any], result: dict[str, Any], world: 
     workload = _workload(label, run, reference, world, factor)
     if workload is None:
         return None
-    cluster = _cluster(str(result.get("link", "1gbit")), world, straggler)
+    jitter = float(reference.get("step_jitter_s") or 0.0) / factor
+    cluster = _cluster(str(result.get("link", "1gbit")), world, straggler, jitter)
     args = {} if strategy == "no-comm" else _arguments(strategy, run.get("strategy_config"))
     return predict(strategy, workload, cluster, **args)
 

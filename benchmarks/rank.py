@@ -47,6 +47,8 @@ class Recorder(Callback):
             ``samples`` (this rank's, so far) and ``val_acc``.
         samples: Training samples this rank processed.
         train_s: Training time of the fit (set at the end).
+        step_s: Seconds between consecutive training batches' ends, leaving out the first batch
+            and every interval that holds a validation (the simulator's jitter calibration).
     """
 
     def __init__(self, clock: Any = time.perf_counter) -> None:
@@ -55,6 +57,8 @@ class Recorder(Callback):
         self.samples = 0
         self.train_s = 0.0
         self.wall_s = 0.0
+        self.step_s: list[float] = []
+        self._last_batch_end: float | None = None
         self._t0 = 0.0
         self._val_s = 0.0
         self._val_start = 0.0
@@ -63,15 +67,21 @@ class Recorder(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._t0, self._val_s, self.samples, self.timeline = self.clock(), 0.0, 0, []
+        self.step_s, self._last_batch_end = [], None
 
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self.samples += len(batch[0])
+        now = self.clock()
+        if self._last_batch_end is not None:
+            self.step_s.append(now - self._last_batch_end)
+        self._last_batch_end = now
 
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._last_batch_end = None  # the next batch's interval holds this validation: not a step
         self._val_start = self.clock()  # replaced at the first batch (kept if there is none)
         self._first_batch = True
 
@@ -165,6 +175,7 @@ def _measurements(trainer: pl.Trainer, recorder: Recorder, cfg: Any, callbacks: 
         "train_s": recorder.train_s,
         "wall_s": recorder.wall_s,
         "timeline": recorder.timeline,
+        "step_s": recorder.step_s,
         "comm": None if stats is None else stats.state_dict(),
         "strategy_metrics": dict(getattr(trainer.strategy, "last_metrics", {}) or {}),
         "straggler_slept_s": slept,

@@ -126,6 +126,7 @@ class Cluster:
     algorithm: str = "ring"
     speeds: tuple[float, ...] = ()
     cpu_s_per_byte: float = 0.0
+    jitter_s: float = 0.0
     word_bytes: int = 4
 
     def __post_init__(self) -> None:
@@ -137,6 +138,8 @@ class Cluster:
             raise ValueError(f"Cluster: `speeds` needs one value per worker ({self.workers}), got {len(self.speeds)}.")
         if any(not s > 0 for s in self.speeds):
             raise ValueError(f"Cluster: every speed must be > 0, got {self.speeds!r}.")
+        if not self.jitter_s >= 0:
+            raise ValueError(f"Cluster: `jitter_s` must be >= 0 seconds, got {self.jitter_s!r}.")
         if self.link.alpha < 0 or self.link.beta < 0 or self.cpu_s_per_byte < 0:
             raise ValueError(
                 f"Cluster: alpha, beta and cpu_s_per_byte must be >= 0, got {self.link} {self.cpu_s_per_byte}."

@@ -33,9 +33,12 @@ grid2d        the planner's alpha-beta cost of the ``Pr x Pc`` grid (blocking), 
 Assumptions (docs: README, "Predicting performance"): steady state (start-up, the first
 windows, DBS's warm-up and end-of-fit rounds are left out of the per-step numbers); compute does
 not depend on the batch split beyond being linear in samples; all links are equal (no node
-hierarchy). The asynchronous strategies (``asgd``, ``softsync``, ``dbs_async``, GRAWA with
-``rounds='async'``) are in :mod:`lightning_hier.simulator.asynchronous`; the registry of every
-model is :mod:`lightning_hier.simulator.registry`.
+hierarchy); with ``Cluster.jitter_s > 0`` every synchronisation of all workers (a DDP step, an
+HPSGD window, an averaging round, a DBS step, a grid or pipeline iteration) adds the expected
+wait for the slowest worker (:mod:`lightning_hier.simulator.jitter`). The asynchronous strategies
+(``asgd``, ``softsync``, ``dbs_async``, GRAWA with ``rounds='async'``) are in
+:mod:`lightning_hier.simulator.asynchronous`; the registry of every model is
+:mod:`lightning_hier.simulator.registry`.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from typing import Any
 from lightning_hier.planner.cost import Layer, network_cost
 from lightning_hier.simulator.collectives import NONE, Comm, all_reduce, broadcast, overlapped, p2p
 from lightning_hier.simulator.inputs import Cluster, Workload, split_blocks
+from lightning_hier.simulator.jitter import sync_wait
 from lightning_hier.simulator.prediction import FLOAT64, Prediction, compute_s, steps_per_epoch
 
 MiB = 2**20
@@ -88,15 +92,19 @@ def _periodic(
 def _sync(
     name: str, workload: Workload, cluster: Cluster, args: dict[str, Any], period: int, work: list[float], comm: Comm
 ) -> Prediction:
-    """``period`` steps of compute (``work``: each worker's seconds for them), then a blocking ``comm``."""
-    elapsed = max(work) + comm.time_s
+    """``period`` steps of compute (``work``: each worker's seconds for them), then a blocking ``comm``.
+
+    The collective waits for every worker, so the slowest one's jitter since the last round too.
+    """
+    elapsed = max(work) + sync_wait(cluster, period) + comm.time_s
     return _periodic(name, workload, cluster, args, period, elapsed, min(work), comm, float(period - 1))
 
 
 # ---------------------------------------------------------------------------- the strategies
 def no_comm(workload: Workload, cluster: Cluster) -> Prediction:
-    """Compute only: every worker trains alone (the throughput bound of any strategy)."""
-    return _sync("no-comm", workload, cluster, {}, 1, compute_s(workload, cluster), NONE)
+    """Compute only: every worker trains alone (the throughput bound of any strategy; nobody waits)."""
+    work = compute_s(workload, cluster)
+    return _periodic("no-comm", workload, cluster, {}, 1, max(work), min(work), NONE, 0.0)
 
 
 def ddp_buckets(nbytes: int, bucket_mb: float = 25.0) -> list[float]:
@@ -119,7 +127,8 @@ def ddp(workload: Workload, cluster: Cluster, bucket_mb: float = 25.0) -> Predic
     b = workload.batch_size
     backward, blocked_early = overlapped(b * workload.backward_s / speed, early, cluster)
     slowest = b * workload.forward_s / speed + backward + workload.step_s / speed
-    step = slowest + last.time_s + buffers.time_s
+    # the forward's buffer broadcast and the last bucket wait for every worker: one synchronisation per step
+    step = slowest + sync_wait(cluster, 1) + last.time_s + buffers.time_s
     comm = early + last + buffers
     fastest = min(compute_s(workload, cluster))
     return Prediction(
@@ -144,6 +153,7 @@ def hpsgd(
     comm = all_reduce(workload.params * word + _buffer_bytes(workload, sync_buffers), cluster.workers, cluster)
     work = compute_s(workload, cluster)
     period, _ = overlapped(window * max(work), comm, cluster)
+    period += sync_wait(cluster, window)  # each window's reduction needs every worker's replica
     fastest = window * min(work) + cluster.cpu_s_per_byte * comm.wire_bytes
     args = {"window": window, "compression": compression, "sync_buffers": sync_buffers}
     return _periodic("hpsgd", workload, cluster, args, window, period, fastest, comm, float(window))
@@ -260,7 +270,8 @@ def decoupled(workload: Workload, cluster: Cluster, pipe: int = 2, schedule: str
         compute.append(work)
         sent = forward + backward + reduce
         wire, payload = wire + sent.wire_bytes, payload + sent.payload_bytes
-    step = sum(elapsed) if schedule == "sync" else max(elapsed)
+    # every iteration's activations, gradients and reductions tie each worker to its neighbours
+    step = (sum(elapsed) if schedule == "sync" else max(elapsed)) + sync_wait(cluster, 1)
     drain = {"fdg": 2 * (pipe - 1), "ddg": pipe - 1, "sync": 0}[schedule]
     return Prediction(
         "decoupled",
@@ -292,7 +303,7 @@ def grid2d(
     cost = network_cost(list(layers), pr, pc, total)
     comm_s = cost.time(cluster.link)
     work = [total * workload.sample_s / p / s + workload.step_s / pr / s for s in cluster.speed_list]
-    step = max(work) + comm_s
+    step = max(work) + sync_wait(cluster, 1) + comm_s
     words = cost.words * workload.word_bytes
     return Prediction(
         "grid2d",
