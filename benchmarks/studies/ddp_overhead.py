@@ -17,7 +17,10 @@ that the machine's load falls on all of them alike:
 
 For each variant it prints the median per step of: wall time; the main thread's time on a CPU,
 runnable but waiting for its core (other processes had it), and asleep (blocked: waiting for the
-peer or gloo's thread), from ``/proc/thread-self/schedstat``; the process's CPU time (all threads). Run
+peer or gloo's thread), from ``/proc/thread-self/schedstat``; the process's CPU time (all threads);
+the slower rank's wall time per step (``paced``: what a step that synchronises at its end takes);
+and the simulator's jitter estimate of that pace from each rank's own spread
+(:mod:`lightning_hier.simulator.jitter`). Run
 from the repository root::
 
     python -m benchmarks.studies.ddp_overhead --model cnn --steps 20
@@ -41,6 +44,7 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_hier.models import mlp, small_cnn
+from lightning_hier.simulator.jitter import expected_max_normal, gini_sigma
 
 COLUMNS = ("wall", "run", "queued", "asleep", "process")
 VARIANTS = ("local", "allreduce", "ddp", "ddp-nobuf", "ddp-noop", "ddp-noop-nobuf", "ddp-1bucket")
@@ -154,7 +158,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"load average before: {load}, after: {os.getloadavg()}")
     print("main thread: run (on a CPU), queued (runnable, waiting for its core), asleep (blocked); process: CPU;")
     print("paced: the mean over steps of the slower rank's wall time (what a step synchronised at its end takes)")
-    print(f"{'variant':15s}" + "".join(f"{key:>16s}" for key in (*COLUMNS, "wall std")) + f"{'paced':>8s}")
+    print("jitter: mean + gini_sigma(each rank's wall times) / sqrt(pi), the simulator's pace from one rank's spread")
+    print(
+        f"{'variant':15s}" + "".join(f"{key:>16s}" for key in (*COLUMNS, "wall std")) + f"{'paced':>8s}{'jitter':>8s}"
+    )
     for variant in args.variants:
         rows = [results[rank][variant] for rank in (0, 1)]
         cells = [
@@ -162,7 +169,9 @@ def main(argv: list[str] | None = None) -> int:
         ]
         cells.append(f"{stdev(r['wall'] for r in rows[0]) * 1e3:7.1f} |{stdev(r['wall'] for r in rows[1]) * 1e3:6.1f}")
         paced = mean(max(a["wall"], b["wall"]) for a, b in zip(*rows, strict=True)) * 1e3
-        print(f"{variant:15s}" + "".join(f"{c:>16s}" for c in cells) + f"{paced:8.1f}")
+        walls = [[r["wall"] for r in rank_rows] for rank_rows in rows]
+        jitter = mean(mean(w) + gini_sigma(w) * expected_max_normal(2) for w in walls) * 1e3
+        print(f"{variant:15s}" + "".join(f"{c:>16s}" for c in cells) + f"{paced:8.1f}{jitter:8.1f}")
     return 0
 
 
