@@ -47,8 +47,10 @@ class Recorder(Callback):
             ``samples`` (this rank's, so far) and ``val_acc``.
         samples: Training samples this rank processed.
         train_s: Training time of the fit (set at the end).
-        step_s: Seconds between consecutive training batches' ends, leaving out the first batch
-            and every interval that holds a validation (the simulator's jitter calibration).
+        step_s: Seconds between consecutive training batches' ends, leaving out each epoch's first
+            and last batch (the last holds the end-of-epoch and end-of-fit rounds of the averaging
+            strategies, ``no-comm``'s too) and every interval that holds a validation (the
+            simulator's jitter calibration).
     """
 
     def __init__(self, clock: Any = time.perf_counter) -> None:
@@ -58,6 +60,7 @@ class Recorder(Callback):
         self.train_s = 0.0
         self.wall_s = 0.0
         self.step_s: list[float] = []
+        self._epoch_steps: list[float] = []
         self._last_batch_end: float | None = None
         self._t0 = 0.0
         self._val_s = 0.0
@@ -67,7 +70,7 @@ class Recorder(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._t0, self._val_s, self.samples, self.timeline = self.clock(), 0.0, 0, []
-        self.step_s, self._last_batch_end = [], None
+        self.step_s, self._epoch_steps, self._last_batch_end = [], [], None
 
     @override
     def on_train_batch_end(
@@ -76,8 +79,16 @@ class Recorder(Callback):
         self.samples += len(batch[0])
         now = self.clock()
         if self._last_batch_end is not None:
-            self.step_s.append(now - self._last_batch_end)
+            self._epoch_steps.append(now - self._last_batch_end)
         self._last_batch_end = now
+
+    @override
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._epoch_steps, self._last_batch_end = [], None
+
+    @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.step_s += self._epoch_steps[:-1]  # the epoch's last step holds its rounds, if any
 
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

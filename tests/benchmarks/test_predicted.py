@@ -60,3 +60,13 @@ def test_the_no_comm_runs_jitter_slows_ddp_by_the_expected_wait_for_the_slower_r
     assert predict_run("no-comm", no_comm, result, 2).step_s == pytest.approx(
         predict_run("no-comm", no_comm, _mlp_result(), 2).step_s
     )
+
+
+def test_the_calibration_leaves_out_the_no_comm_runs_own_rounds():
+    result = _mlp_result()  # 100 Mbit/s: each epoch's 21 MB consensus of the no-comm run takes ~1.8 s
+    reference = result["runs"]["no-comm"]
+    p = predict_run("no-comm", reference, result, world=2)
+    per_epoch = reference["payload_bytes"][0] / reference["epochs"]
+    all_reduce_s = 2 * 50e-6 + per_epoch * 8 / (0.944 * 100e6)  # ring, 2 ranks: 2 alpha + n / bandwidth
+    compute = (reference["train_s"] - reference["epochs"] * all_reduce_s) / reference["steps"]
+    assert p is not None and p.step_s == pytest.approx(compute, rel=1e-9)
