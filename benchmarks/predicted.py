@@ -83,6 +83,7 @@ def _workload(
         backward_s=2 * sample_s / 3,
         buffers=int(model.get("float_buffers") or 0),
         tensors=int(model.get("tensors") or 1),
+        tensor_words=tuple(int(n) for n in model.get("tensor_words") or ()),
     )
 
 

@@ -196,6 +196,7 @@ def _measurements(trainer: pl.Trainer, recorder: Recorder, cfg: Any, callbacks: 
         # the simulator's inputs (benchmarks/predicted.py): BatchNorm statistics travel with the parameters
         "float_buffers": sum(b.numel() for b in trainer.lightning_module.buffers() if b.is_floating_point()),
         "tensors": sum(1 for _ in trainer.lightning_module.parameters()),
+        "tensor_words": [p.numel() for p in trainer.lightning_module.parameters()],  # DDP's buckets
     }
 
 

@@ -52,6 +52,8 @@ class Workload:
         buffers: Float buffers (BatchNorm statistics, words) averaged with the parameters.
         tensors: Parameter tensors (LGRAWA sends one weight per tensor).
         blocks: Per-block costs for the pipeline (empty: the pipeline cannot be predicted).
+        tensor_words: Each parameter tensor's words in registration order (DDP fills its buckets
+            with whole tensors in reverse order); empty: DDP's buckets are cut at their caps.
         model: How to rebuild the network for the grid's layer list: ``{"spec": name or
             "package.module:factory", "input_shape": [...], "classes": n, "args": {...}}``, or None.
         word_bytes: Bytes per word (4 for float32).
@@ -67,6 +69,7 @@ class Workload:
     buffers: int = 0
     tensors: int = 1
     blocks: tuple[Block, ...] = ()
+    tensor_words: tuple[int, ...] = ()
     model: dict[str, Any] | None = None
     word_bytes: int = 4
 
@@ -98,6 +101,7 @@ class Workload:
     def from_dict(cls, data: dict[str, Any]) -> Workload:
         data = dict(data)
         data["blocks"] = tuple(Block(**b) for b in data.get("blocks", ()))
+        data["tensor_words"] = tuple(data.get("tensor_words", ()))
         return cls(**data)
 
     @classmethod

@@ -9,7 +9,8 @@ slowest worker. Collective costs come from :mod:`lightning_hier.simulator.collec
 strategy      per optimizer step (``P`` parameter bytes, ``F`` float-buffer bytes, ``W`` workers)
 ============  =====================================================================================
 no-comm       ``max_w t_w``: the compute-only bound (Local SGD with an infinite period)
-ddp           all-reduce of ``P`` in DDP's buckets (first 1 MiB, then ``bucket_mb``) behind the
+ddp           all-reduce of ``P`` in DDP's buckets (first 1 MiB, then ``bucket_mb``; whole tensors
+              in reverse order when the workload lists them) behind the
               backward; the last bucket (the first layers' gradients) is ready only at its end;
               ``F`` broadcast before every forward (``broadcast_buffers``)
 hpsgd         every ``window`` steps one all-reduce of ``P`` (bf16: ``P / 2``) + ``F``, hidden
@@ -107,9 +108,24 @@ def no_comm(workload: Workload, cluster: Cluster) -> Prediction:
     return _periodic("no-comm", workload, cluster, {}, 1, max(work), min(work), NONE, 0.0)
 
 
-def ddp_buckets(nbytes: int, bucket_mb: float = 25.0) -> list[float]:
-    """DDP's gradient buckets in reduction order: 1 MiB first, then ``bucket_mb`` MiB (whole tensors ignored)."""
-    sizes, left, cap = [], float(nbytes), float(MiB)
+def ddp_buckets(nbytes: int, bucket_mb: float = 25.0, tensor_bytes: Sequence[int] = ()) -> list[float]:
+    """DDP's gradient buckets in reduction order: 1 MiB first, then ``bucket_mb`` MiB.
+
+    With ``tensor_bytes`` (the parameter tensors in registration order) the buckets hold whole
+    tensors as DDP assigns them: in reverse order, a bucket closes once it reaches its cap, so a
+    big tensor near the output fills the first bucket and the last one holds only the first
+    layers. Without them the bytes are cut at the caps.
+    """
+    sizes: list[float] = []
+    cap, current = float(MiB), 0.0
+    if tensor_bytes:
+        for size in reversed(tensor_bytes):
+            current += size
+            if current >= cap:
+                sizes.append(current)
+                current, cap = 0.0, bucket_mb * MiB
+        return [*sizes, current] if current else sizes
+    left = float(nbytes)
     while left > 0:
         sizes.append(min(cap, left))
         left -= sizes[-1]
@@ -120,7 +136,8 @@ def ddp_buckets(nbytes: int, bucket_mb: float = 25.0) -> list[float]:
 def ddp(workload: Workload, cluster: Cluster, bucket_mb: float = 25.0) -> Prediction:
     """Lightning's DDP: bucketed gradient all-reduce overlapped with the backward."""
     p, speed = cluster.workers, min(cluster.speed_list)
-    buckets = [all_reduce(n, p, cluster) for n in ddp_buckets(workload.param_bytes, bucket_mb)]
+    tensors = [w * workload.word_bytes for w in workload.tensor_words]
+    buckets = [all_reduce(n, p, cluster) for n in ddp_buckets(workload.param_bytes, bucket_mb, tensors)]
     early = sum(buckets[:-1], NONE)
     last = buckets[-1] if buckets else NONE
     buffers = broadcast(workload.buffers * workload.word_bytes, p, cluster)
