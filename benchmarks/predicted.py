@@ -6,10 +6,17 @@ workload; :func:`predicted_table` is what the report appends to each workload's 
 Calibration, all from the same invocation (nothing is fitted to the run being predicted):
 
 - compute per step: the ``no-comm`` run's training time per step (same model, data, batch and
-  straggler; the straggler's factor divides it back to the nominal worker); forward : backward
+  straggler; the straggler's factor divides it back to the nominal worker), less the modelled
+  time of its own rounds (:func:`_reference_rounds_s`: its payload, one all-reduce per epoch, which
+  on a slow link is most of a short run: 1.8 s of 5 at 100 Mbit/s on ``hpsgd_mlp``); forward : backward
   is taken as 1 : 2 (it only matters for DDP's overlap);
 - link: the tc rate times :data:`EFFICIENCY` (944 Mbit/s measured by a socket test through the
   1 Gbit/s tbf link, docs/lightning.md section 10); ``unlimited``: the 7.9 Gbit/s measured there;
+- jitter: the ``no-comm`` run's spread of a step's time (``step_jitter_s``: each rank's Gini
+  estimate of the standard deviation, :func:`~lightning_hier.simulator.jitter.gini_sigma`, averaged
+  over the ranks; the straggler's factor divides it back too). On a shared machine other processes
+  take the ranks' cores now and then, and every synchronous strategy waits for the slower rank at
+  each synchronisation; results recorded before it was measured predict with none;
 - :data:`CPU_S_PER_BYTE`: gloo's reduction and copies on the rank's one core, fitted once on
   ``hpsgd_mlp`` (HPSGD, window 4, 1 Gbit/s) and kept for every run;
 - bytes per epoch: the model's wire bytes plus :data:`HEADERS` (TCP/IP framing), plus the
@@ -33,7 +40,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from lightning_hier.simulator import Cluster, Prediction, Workload, one_straggler, parse_link, predict
+from lightning_hier.simulator import Cluster, Prediction, Workload, all_reduce, one_straggler, parse_link, predict
 from lightning_hier.simulator.registry import MODELS
 
 EFFICIENCY = 0.944
@@ -44,18 +51,29 @@ NO_COMM = "no-comm"
 UNMODELLED = ("decoupled", "grid2d")
 
 
-def _cluster(link: str, world: int, straggler: dict[str, Any] | None) -> Cluster:
+def _cluster(link: str, world: int, straggler: dict[str, Any] | None, jitter_s: float) -> Cluster:
     rate = parse_link(link, efficiency=EFFICIENCY) if link != "unlimited" else parse_link(f"{UNLIMITED_BITS / 1e9}gbit")
     speeds = one_straggler(world, float(straggler["factor"])) if straggler else ()
-    return Cluster(world, rate, "ring", speeds, cpu_s_per_byte=CPU_S_PER_BYTE)
+    return Cluster(world, rate, "ring", speeds, cpu_s_per_byte=CPU_S_PER_BYTE, jitter_s=jitter_s)
 
 
-def _workload(name: str, run: dict[str, Any], reference: dict[str, Any], world: int, factor: float) -> Workload | None:
+def _reference_rounds_s(reference: dict[str, Any], cluster: Cluster) -> float:
+    """Seconds of the ``no-comm`` run's own rounds: one all-reduce of its payload per epoch (the consensus
+    of each validation and the end of the fit, on the training clock) -- communication, not compute."""
+    if not reference.get("payload_bytes") or not reference.get("epochs"):
+        return 0.0
+    epochs = int(reference["epochs"])
+    return epochs * all_reduce(reference["payload_bytes"][0] / epochs, cluster.workers, cluster).time_s
+
+
+def _workload(
+    name: str, run: dict[str, Any], reference: dict[str, Any], world: int, factor: float, rounds_s: float
+) -> Workload | None:
     model = run.get("model") or reference.get("model") or {}
     if not model.get("parameters") or not run.get("steps") or not reference.get("steps"):
         return None
     batch = round(run["samples"] / run["steps"] / world)
-    sample_s = reference["train_s"] / reference["steps"] / factor / batch
+    sample_s = (reference["train_s"] - rounds_s) / reference["steps"] / factor / batch
     return Workload(
         name,
         params=int(model["parameters"]),
@@ -65,6 +83,7 @@ def _workload(name: str, run: dict[str, Any], reference: dict[str, Any], world: 
         backward_s=2 * sample_s / 3,
         buffers=int(model.get("float_buffers") or 0),
         tensors=int(model.get("tensors") or 1),
+        tensor_words=tuple(int(n) for n in model.get("tensor_words") or ()),
     )
 
 
@@ -83,10 +102,11 @@ def predict_run(label: str, run: dict[str, Any], result: dict[str, Any], world: 
         return None
     straggler = result.get("straggler")
     factor = float(straggler["factor"]) if straggler else 1.0
-    workload = _workload(label, run, reference, world, factor)
+    jitter = float(reference.get("step_jitter_s") or 0.0) / factor
+    cluster = _cluster(str(result.get("link", "1gbit")), world, straggler, jitter)
+    workload = _workload(label, run, reference, world, factor, _reference_rounds_s(reference, cluster))
     if workload is None:
         return None
-    cluster = _cluster(str(result.get("link", "1gbit")), world, straggler)
     args = {} if strategy == "no-comm" else _arguments(strategy, run.get("strategy_config"))
     return predict(strategy, workload, cluster, **args)
 

@@ -47,6 +47,10 @@ class Recorder(Callback):
             ``samples`` (this rank's, so far) and ``val_acc``.
         samples: Training samples this rank processed.
         train_s: Training time of the fit (set at the end).
+        step_s: Seconds between consecutive training batches' ends, leaving out each epoch's first
+            and last batch (the last holds the end-of-epoch and end-of-fit rounds of the averaging
+            strategies, ``no-comm``'s too) and every interval that holds a validation (the
+            simulator's jitter calibration).
     """
 
     def __init__(self, clock: Any = time.perf_counter) -> None:
@@ -55,6 +59,9 @@ class Recorder(Callback):
         self.samples = 0
         self.train_s = 0.0
         self.wall_s = 0.0
+        self.step_s: list[float] = []
+        self._epoch_steps: list[float] = []
+        self._last_batch_end: float | None = None
         self._t0 = 0.0
         self._val_s = 0.0
         self._val_start = 0.0
@@ -63,15 +70,29 @@ class Recorder(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._t0, self._val_s, self.samples, self.timeline = self.clock(), 0.0, 0, []
+        self.step_s, self._epoch_steps, self._last_batch_end = [], [], None
 
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self.samples += len(batch[0])
+        now = self.clock()
+        if self._last_batch_end is not None:
+            self._epoch_steps.append(now - self._last_batch_end)
+        self._last_batch_end = now
+
+    @override
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._epoch_steps, self._last_batch_end = [], None
+
+    @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.step_s += self._epoch_steps[:-1]  # the epoch's last step holds its rounds, if any
 
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._last_batch_end = None  # the next batch's interval holds this validation: not a step
         self._val_start = self.clock()  # replaced at the first batch (kept if there is none)
         self._first_batch = True
 
@@ -165,6 +186,7 @@ def _measurements(trainer: pl.Trainer, recorder: Recorder, cfg: Any, callbacks: 
         "train_s": recorder.train_s,
         "wall_s": recorder.wall_s,
         "timeline": recorder.timeline,
+        "step_s": recorder.step_s,
         "comm": None if stats is None else stats.state_dict(),
         "strategy_metrics": dict(getattr(trainer.strategy, "last_metrics", {}) or {}),
         "straggler_slept_s": slept,
@@ -174,6 +196,7 @@ def _measurements(trainer: pl.Trainer, recorder: Recorder, cfg: Any, callbacks: 
         # the simulator's inputs (benchmarks/predicted.py): BatchNorm statistics travel with the parameters
         "float_buffers": sum(b.numel() for b in trainer.lightning_module.buffers() if b.is_floating_point()),
         "tensors": sum(1 for _ in trainer.lightning_module.parameters()),
+        "tensor_words": [p.numel() for p in trainer.lightning_module.parameters()],  # DDP's buckets
     }
 
 

@@ -12,10 +12,12 @@ from __future__ import annotations
 import math
 import re
 from pathlib import Path
+from statistics import mean
 from typing import TYPE_CHECKING, Any
 
 from benchmarks.predicted import predicted_table
 from benchmarks.scenarios import BASELINE, NO_COMM, ONE_PROCESS, Scenario, Target, Workload
+from lightning_hier.simulator.jitter import gini_sigma
 
 if TYPE_CHECKING:
     from benchmarks.launch import JobResult
@@ -64,7 +66,9 @@ def summarize(scenario: Scenario, job: JobResult) -> dict[str, Any]:
         "straggler_slept_s": max(float(r.get("straggler_slept_s", 0.0)) for r in ranks),
         "strategy_metrics": ranks[0].get("strategy_metrics", {}),
         "cores": job.cores,
-        "model": {key: ranks[0].get(key) for key in ("parameters", "float_buffers", "tensors")},
+        "model": {key: ranks[0].get(key) for key in ("parameters", "float_buffers", "tensors", "tensor_words")},
+        # the simulator's jitter (benchmarks/predicted.py): the ranks' mean spread of a step's time
+        "step_jitter_s": mean(gini_sigma(r["step_s"]) for r in ranks) if all(r.get("step_s") for r in ranks) else None,
     }
 
 

@@ -108,7 +108,9 @@ def _cluster(args: argparse.Namespace) -> Cluster:
         link = Link(**json.loads(Path(args.link_json).read_text()))
     else:
         link = parse_link(args.link, alpha=args.alpha, efficiency=args.efficiency)
-    return Cluster(2, link, args.algorithm, cpu_s_per_byte=args.cpu_s_per_byte)
+    if args.jitter < 0:
+        raise SystemExit(f"simulator: `--jitter` must be >= 0 seconds, got {args.jitter!r}.")
+    return Cluster(2, link, args.algorithm, cpu_s_per_byte=args.cpu_s_per_byte, jitter_s=args.jitter)
 
 
 def _predict(args: argparse.Namespace) -> int:
@@ -167,6 +169,12 @@ def _parser() -> argparse.ArgumentParser:
     pred.add_argument("--efficiency", type=float, default=1.0, help="fraction of the nominal rate reached")
     pred.add_argument("--algorithm", choices=ALGORITHMS, default="ring")
     pred.add_argument("--cpu-s-per-byte", type=float, default=0.0, help="compute lost per byte sent while computing")
+    pred.add_argument(
+        "--jitter",
+        type=float,
+        default=0.0,
+        help="std of a worker's step time, s: each synchronisation waits for the slowest",
+    )
     pred.add_argument("--stragglers", default="none", help="none, straggler:F or lognormal:SIGMA")
     pred.add_argument("--workers", type=int, nargs="+", default=WORKERS)
     pred.add_argument("--strategies", nargs="+", default=list(ROWS), help="rows: models, mgrawa-async, lgrawa-async")

@@ -86,6 +86,7 @@ def measure_workload(
         step_s=step,
         buffers=sum(b.numel() for b in float_buffers(model)),
         tensors=len(params),
+        tensor_words=tuple(p.numel() for p in params),
         blocks=_blocks(model, inputs, (forward + backward) / batch_size, repeats),
         model=model_spec,
     )

@@ -52,6 +52,8 @@ class Workload:
         buffers: Float buffers (BatchNorm statistics, words) averaged with the parameters.
         tensors: Parameter tensors (LGRAWA sends one weight per tensor).
         blocks: Per-block costs for the pipeline (empty: the pipeline cannot be predicted).
+        tensor_words: Each parameter tensor's words in registration order (DDP fills its buckets
+            with whole tensors in reverse order); empty: DDP's buckets are cut at their caps.
         model: How to rebuild the network for the grid's layer list: ``{"spec": name or
             "package.module:factory", "input_shape": [...], "classes": n, "args": {...}}``, or None.
         word_bytes: Bytes per word (4 for float32).
@@ -67,6 +69,7 @@ class Workload:
     buffers: int = 0
     tensors: int = 1
     blocks: tuple[Block, ...] = ()
+    tensor_words: tuple[int, ...] = ()
     model: dict[str, Any] | None = None
     word_bytes: int = 4
 
@@ -98,6 +101,7 @@ class Workload:
     def from_dict(cls, data: dict[str, Any]) -> Workload:
         data = dict(data)
         data["blocks"] = tuple(Block(**b) for b in data.get("blocks", ()))
+        data["tensor_words"] = tuple(data.get("tensor_words", ()))
         return cls(**data)
 
     @classmethod
@@ -126,6 +130,7 @@ class Cluster:
     algorithm: str = "ring"
     speeds: tuple[float, ...] = ()
     cpu_s_per_byte: float = 0.0
+    jitter_s: float = 0.0
     word_bytes: int = 4
 
     def __post_init__(self) -> None:
@@ -137,6 +142,8 @@ class Cluster:
             raise ValueError(f"Cluster: `speeds` needs one value per worker ({self.workers}), got {len(self.speeds)}.")
         if any(not s > 0 for s in self.speeds):
             raise ValueError(f"Cluster: every speed must be > 0, got {self.speeds!r}.")
+        if not self.jitter_s >= 0:
+            raise ValueError(f"Cluster: `jitter_s` must be >= 0 seconds, got {self.jitter_s!r}.")
         if self.link.alpha < 0 or self.link.beta < 0 or self.cpu_s_per_byte < 0:
             raise ValueError(
                 f"Cluster: alpha, beta and cpu_s_per_byte must be >= 0, got {self.link} {self.cpu_s_per_byte}."

@@ -9,7 +9,8 @@ slowest worker. Collective costs come from :mod:`lightning_hier.simulator.collec
 strategy      per optimizer step (``P`` parameter bytes, ``F`` float-buffer bytes, ``W`` workers)
 ============  =====================================================================================
 no-comm       ``max_w t_w``: the compute-only bound (Local SGD with an infinite period)
-ddp           all-reduce of ``P`` in DDP's buckets (first 1 MiB, then ``bucket_mb``) behind the
+ddp           all-reduce of ``P`` in DDP's buckets (first 1 MiB, then ``bucket_mb``; whole tensors
+              in reverse order when the workload lists them) behind the
               backward; the last bucket (the first layers' gradients) is ready only at its end;
               ``F`` broadcast before every forward (``broadcast_buffers``)
 hpsgd         every ``window`` steps one all-reduce of ``P`` (bf16: ``P / 2``) + ``F``, hidden
@@ -33,9 +34,12 @@ grid2d        the planner's alpha-beta cost of the ``Pr x Pc`` grid (blocking), 
 Assumptions (docs: README, "Predicting performance"): steady state (start-up, the first
 windows, DBS's warm-up and end-of-fit rounds are left out of the per-step numbers); compute does
 not depend on the batch split beyond being linear in samples; all links are equal (no node
-hierarchy). The asynchronous strategies (``asgd``, ``softsync``, ``dbs_async``, GRAWA with
-``rounds='async'``) are in :mod:`lightning_hier.simulator.asynchronous`; the registry of every
-model is :mod:`lightning_hier.simulator.registry`.
+hierarchy); with ``Cluster.jitter_s > 0`` every synchronisation of all workers (a DDP step, an
+HPSGD window, an averaging round, a DBS step, a grid or pipeline iteration) adds the expected
+wait for the slowest worker (:mod:`lightning_hier.simulator.jitter`). The asynchronous strategies
+(``asgd``, ``softsync``, ``dbs_async``, GRAWA with ``rounds='async'``) are in
+:mod:`lightning_hier.simulator.asynchronous`; the registry of every model is
+:mod:`lightning_hier.simulator.registry`.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from typing import Any
 from lightning_hier.planner.cost import Layer, network_cost
 from lightning_hier.simulator.collectives import NONE, Comm, all_reduce, broadcast, overlapped, p2p
 from lightning_hier.simulator.inputs import Cluster, Workload, split_blocks
+from lightning_hier.simulator.jitter import sync_wait
 from lightning_hier.simulator.prediction import FLOAT64, Prediction, compute_s, steps_per_epoch
 
 MiB = 2**20
@@ -88,20 +93,39 @@ def _periodic(
 def _sync(
     name: str, workload: Workload, cluster: Cluster, args: dict[str, Any], period: int, work: list[float], comm: Comm
 ) -> Prediction:
-    """``period`` steps of compute (``work``: each worker's seconds for them), then a blocking ``comm``."""
-    elapsed = max(work) + comm.time_s
+    """``period`` steps of compute (``work``: each worker's seconds for them), then a blocking ``comm``.
+
+    The collective waits for every worker, so the slowest one's jitter since the last round too.
+    """
+    elapsed = max(work) + sync_wait(cluster, period) + comm.time_s
     return _periodic(name, workload, cluster, args, period, elapsed, min(work), comm, float(period - 1))
 
 
 # ---------------------------------------------------------------------------- the strategies
 def no_comm(workload: Workload, cluster: Cluster) -> Prediction:
-    """Compute only: every worker trains alone (the throughput bound of any strategy)."""
-    return _sync("no-comm", workload, cluster, {}, 1, compute_s(workload, cluster), NONE)
+    """Compute only: every worker trains alone (the throughput bound of any strategy; nobody waits)."""
+    work = compute_s(workload, cluster)
+    return _periodic("no-comm", workload, cluster, {}, 1, max(work), min(work), NONE, 0.0)
 
 
-def ddp_buckets(nbytes: int, bucket_mb: float = 25.0) -> list[float]:
-    """DDP's gradient buckets in reduction order: 1 MiB first, then ``bucket_mb`` MiB (whole tensors ignored)."""
-    sizes, left, cap = [], float(nbytes), float(MiB)
+def ddp_buckets(nbytes: int, bucket_mb: float = 25.0, tensor_bytes: Sequence[int] = ()) -> list[float]:
+    """DDP's gradient buckets in reduction order: 1 MiB first, then ``bucket_mb`` MiB.
+
+    With ``tensor_bytes`` (the parameter tensors in registration order) the buckets hold whole
+    tensors as DDP assigns them: in reverse order, a bucket closes once it reaches its cap, so a
+    big tensor near the output fills the first bucket and the last one holds only the first
+    layers. Without them the bytes are cut at the caps.
+    """
+    sizes: list[float] = []
+    cap, current = float(MiB), 0.0
+    if tensor_bytes:
+        for size in reversed(tensor_bytes):
+            current += size
+            if current >= cap:
+                sizes.append(current)
+                current, cap = 0.0, bucket_mb * MiB
+        return [*sizes, current] if current else sizes
+    left = float(nbytes)
     while left > 0:
         sizes.append(min(cap, left))
         left -= sizes[-1]
@@ -112,14 +136,16 @@ def ddp_buckets(nbytes: int, bucket_mb: float = 25.0) -> list[float]:
 def ddp(workload: Workload, cluster: Cluster, bucket_mb: float = 25.0) -> Prediction:
     """Lightning's DDP: bucketed gradient all-reduce overlapped with the backward."""
     p, speed = cluster.workers, min(cluster.speed_list)
-    buckets = [all_reduce(n, p, cluster) for n in ddp_buckets(workload.param_bytes, bucket_mb)]
+    tensors = [w * workload.word_bytes for w in workload.tensor_words]
+    buckets = [all_reduce(n, p, cluster) for n in ddp_buckets(workload.param_bytes, bucket_mb, tensors)]
     early = sum(buckets[:-1], NONE)
     last = buckets[-1] if buckets else NONE
     buffers = broadcast(workload.buffers * workload.word_bytes, p, cluster)
     b = workload.batch_size
     backward, blocked_early = overlapped(b * workload.backward_s / speed, early, cluster)
     slowest = b * workload.forward_s / speed + backward + workload.step_s / speed
-    step = slowest + last.time_s + buffers.time_s
+    # the forward's buffer broadcast and the last bucket wait for every worker: one synchronisation per step
+    step = slowest + sync_wait(cluster, 1) + last.time_s + buffers.time_s
     comm = early + last + buffers
     fastest = min(compute_s(workload, cluster))
     return Prediction(
@@ -144,6 +170,7 @@ def hpsgd(
     comm = all_reduce(workload.params * word + _buffer_bytes(workload, sync_buffers), cluster.workers, cluster)
     work = compute_s(workload, cluster)
     period, _ = overlapped(window * max(work), comm, cluster)
+    period += sync_wait(cluster, window)  # each window's reduction needs every worker's replica
     fastest = window * min(work) + cluster.cpu_s_per_byte * comm.wire_bytes
     args = {"window": window, "compression": compression, "sync_buffers": sync_buffers}
     return _periodic("hpsgd", workload, cluster, args, window, period, fastest, comm, float(window))
@@ -260,7 +287,8 @@ def decoupled(workload: Workload, cluster: Cluster, pipe: int = 2, schedule: str
         compute.append(work)
         sent = forward + backward + reduce
         wire, payload = wire + sent.wire_bytes, payload + sent.payload_bytes
-    step = sum(elapsed) if schedule == "sync" else max(elapsed)
+    # every iteration's activations, gradients and reductions tie each worker to its neighbours
+    step = (sum(elapsed) if schedule == "sync" else max(elapsed)) + sync_wait(cluster, 1)
     drain = {"fdg": 2 * (pipe - 1), "ddg": pipe - 1, "sync": 0}[schedule]
     return Prediction(
         "decoupled",
@@ -292,7 +320,7 @@ def grid2d(
     cost = network_cost(list(layers), pr, pc, total)
     comm_s = cost.time(cluster.link)
     work = [total * workload.sample_s / p / s + workload.step_s / pr / s for s in cluster.speed_list]
-    step = max(work) + comm_s
+    step = max(work) + sync_wait(cluster, 1) + comm_s
     words = cost.words * workload.word_bytes
     return Prediction(
         "grid2d",

@@ -6,7 +6,10 @@ invocation's no-comm run and given the model's parameter count, must predict it 
 
 import copy
 import json
+import math
 from pathlib import Path
+
+import pytest
 
 from benchmarks.predicted import predict_run, predicted_table
 from lightning_hier.models.networks import mlp
@@ -43,3 +46,27 @@ def test_the_table_predicts_every_modelled_run_and_marks_the_others():
 def test_no_prediction_without_the_model_size():
     result = json.loads(RESULTS.read_text())["workloads"]["hpsgd_mlp_100mbit"]
     assert predict_run("localsgd", result["runs"]["localsgd"], result, world=2) is None
+
+
+def test_the_no_comm_runs_jitter_slows_ddp_by_the_expected_wait_for_the_slower_rank():
+    result = _mlp_result()
+    ddp = result["runs"]["ddp"]
+    still = predict_run("ddp", ddp, result, world=2)
+    result["runs"]["no-comm"]["step_jitter_s"] = 0.1
+    jittery = predict_run("ddp", ddp, result, world=2)
+    assert still is not None and jittery is not None
+    assert jittery.step_s - still.step_s == pytest.approx(0.1 / math.sqrt(math.pi))
+    no_comm = result["runs"]["no-comm"]
+    assert predict_run("no-comm", no_comm, result, 2).step_s == pytest.approx(
+        predict_run("no-comm", no_comm, _mlp_result(), 2).step_s
+    )
+
+
+def test_the_calibration_leaves_out_the_no_comm_runs_own_rounds():
+    result = _mlp_result()  # 100 Mbit/s: each epoch's 21 MB consensus of the no-comm run takes ~1.8 s
+    reference = result["runs"]["no-comm"]
+    p = predict_run("no-comm", reference, result, world=2)
+    per_epoch = reference["payload_bytes"][0] / reference["epochs"]
+    all_reduce_s = 2 * 50e-6 + per_epoch * 8 / (0.944 * 100e6)  # ring, 2 ranks: 2 alpha + n / bandwidth
+    compute = (reference["train_s"] - reference["epochs"] * all_reduce_s) / reference["steps"]
+    assert p is not None and p.step_s == pytest.approx(compute, rel=1e-9)

@@ -7,6 +7,7 @@ import pytest
 
 from lightning_hier.planner import Link
 from lightning_hier.simulator import Cluster, Workload, all_reduce, broadcast, one_straggler, p2p, predict
+from lightning_hier.simulator.strategies import ddp_buckets
 
 P = 1_000_000  # parameters: 4 MB per full-model collective
 ALPHA, BYTE_S = 1e-5, 1e-9  # 10 us per message, 1 GB/s
@@ -171,3 +172,23 @@ def test_a_blocking_collective_lasts_at_least_the_cpu_time_of_its_bytes():
     # Local SGD's blocking round pays it in full; DDP's last bucket too
     w = _workload(0.0, 0.0, 0.0)
     assert predict("localsgd", w, fast, tau=1).step_s == pytest.approx(3e-9 * (4e6 + 8))
+
+
+def test_ddp_buckets_hold_whole_tensors_in_reverse_order():
+    MiB = 2**20
+    # the small CNN's shape: a big fully connected weight near the output, small convolutions first
+    tensors = [100_000, 300_000, 2 * MiB, 500, 5_000]
+    assert ddp_buckets(sum(tensors), 25.0, tensors) == [5_000 + 500 + 2 * MiB, 300_000 + 100_000]
+    assert ddp_buckets(sum(tensors), 0.25, tensors) == [5_000 + 500 + 2 * MiB, 300_000, 100_000]
+    assert ddp_buckets(3 * MiB) == [MiB, 2 * MiB]  # no tensor list: cut at the caps
+    w = Workload(
+        "w",
+        params=sum(tensors) // 4,
+        batch_size=1,
+        samples_per_epoch=10,
+        forward_s=0.0,
+        backward_s=1.0,  # hides the first bucket: only the last one, the first layers' 400 KB, is exposed
+        tensor_words=tuple(t // 4 for t in tensors),
+    )
+    c = Cluster(2, LINK)
+    assert predict("ddp", w, c).step_s == pytest.approx(1.0 + all_reduce(400_000, 2, c).time_s)

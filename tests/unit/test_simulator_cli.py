@@ -53,3 +53,14 @@ def test_predict_prints_the_table_plots_and_recommends(workload_file, tmp_path, 
 def test_predict_rejects_a_bad_distribution(workload_file):
     with pytest.raises(ValueError, match="stragglers 'slow'"):
         main(["predict", "--workload", str(workload_file), "--stragglers", "slow", "--workers", "8"])
+
+
+def test_predict_with_jitter_slows_ddp_and_refuses_a_negative_one(capsys):
+    rows = {}
+    for jitter in ("0", "0.05"):
+        assert main(["predict", "--workload", "cnn", "--strategies", "ddp", "--workers", "8", "--jitter", jitter]) == 0
+        row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| ddp |"))
+        rows[jitter] = float(row.split("|")[2].replace(",", ""))
+    assert rows["0.05"] < rows["0"]
+    with pytest.raises(SystemExit, match=r"`--jitter` must be >= 0 seconds, got -1.0"):
+        main(["predict", "--workload", "cnn", "--jitter", "-1"])
