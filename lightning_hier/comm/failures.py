@@ -196,14 +196,20 @@ class FailureBoard:
     def _why_end(self, parent: Parent | None) -> Callable[[], str] | None:
         """Why this rank should end (a message, made when it ends), or ``None``."""
         me = f"lightning_hier: rank {self.rank} is ending its process"
-        if parent is not None and os.getppid() != parent.pid:
-            return lambda: f"{me}: {parent.name} (PID {parent.pid}), which launched it, is gone."
+        gone = _parent_gone(me, parent)
+        if gone is not None:
+            return gone
         try:
             failed = self.store.add(self._count_key, 0) > 0
         except Exception as err:
             # look once more after the grace period (every failed look logs a warning of torch's)
             if self._stop.wait(self.store_grace_s) or self._store_reachable():
                 return None
+            # a launcher that died takes the store with it: name the launcher, the more precise
+            # cause, when its death is what the grace period revealed
+            gone = _parent_gone(me, parent)
+            if gone is not None:
+                return gone
             lost = f"the rendezvous store has been unreachable for {self.store_grace_s:g} s ({_STORE_HOST}): {err}"
             return lambda: f"{me}: {lost}"
         if not failed:
@@ -222,6 +228,13 @@ class FailureBoard:
         except Exception:
             return False
         return True
+
+
+def _parent_gone(me: str, parent: Parent | None) -> Callable[[], str] | None:
+    """The message for a watched launcher that is gone (this process was re-parented), or ``None``."""
+    if parent is None or os.getppid() == parent.pid:
+        return None
+    return lambda: f"{me}: {parent.name} (PID {parent.pid}), which launched it, is gone."
 
 
 def _looks_secondary(message: str) -> bool:

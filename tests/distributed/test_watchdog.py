@@ -80,3 +80,57 @@ def test_the_reporting_rank_is_not_counted_as_silent():
     assert "No failure report from rank(s) [0, 2]" in text
     board.report("RuntimeError: connection reset")
     assert "No failure report from rank(s) [0, 2]" in board.describe(board.reports())
+
+
+def _launch_a_rank_on_a_store(port: int, out: str, conn: mp.connection.Connection) -> None:
+    """The launching process: starts a rank watching it and a remote store, then waits to be killed."""
+    launcher = os.getpid()
+    child = os.fork()
+    if child == 0:  # the rank: writes the watchdog's reason to `out` instead of printing it
+        try:
+            store = dist.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=timedelta(seconds=5))
+            board = FailureBoard(store, rank=1, world_size=2, prefix="t", grace_s=0.2, poll_s=0.1, store_grace_s=2.0)
+            ended = threading.Event()
+
+            def record(why: str) -> None:
+                with open(out, "w") as f:
+                    f.write(why)
+                ended.set()
+
+            board.start_watchdog(terminate=record, parent=Parent(launcher, "rank 0"))
+            ended.wait(60)
+        finally:
+            os._exit(0)
+    conn.send(child)
+    time.sleep(600)
+
+
+def test_a_launcher_that_dies_while_the_store_is_lost_is_named(tmp_path):
+    """The store goes first, the launcher during the store's grace period: the launcher is the cause named.
+
+    Under popen the store lives in rank 0, which also launched the other ranks, so both go at
+    once and the watchdog may see either first; the launcher's death is the precise cause.
+    """
+    reader, writer = _FORK.Pipe(duplex=False)
+    host = _FORK.Process(target=_host_store, args=(writer,), daemon=True)
+    host.start()
+    out = tmp_path / "why.txt"
+    ranks, rank_writer = _FORK.Pipe(duplex=False)
+    launcher = _FORK.Process(target=_launch_a_rank_on_a_store, args=(reader.recv(), str(out), rank_writer))
+    launcher.start()
+    rank = ranks.recv()
+    try:
+        time.sleep(1.0)  # the rank's watchdog is watching
+        os.kill(host.pid, signal.SIGKILL)  # the store is lost: the watchdog waits its 2 s grace
+        time.sleep(0.5)
+        os.kill(launcher.pid, signal.SIGKILL)  # ... during which the launcher dies
+        deadline = time.monotonic() + 30
+        while not out.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert "rank 0 (PID" in out.read_text() and "which launched it, is gone" in out.read_text()
+    finally:
+        for p in (host, launcher):
+            p.kill()
+            p.join()
+        if process_alive(rank):
+            os.kill(rank, signal.SIGKILL)
