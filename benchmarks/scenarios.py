@@ -30,6 +30,8 @@ ONE_PROCESS = "one-process"
 METRICS = ("samples_per_s", "epoch_s", "bytes_per_epoch", "final_acc", "time_to_target_s", "acc_at_equal_time")
 OPS = (">=", "<=", "~")
 APPROX_TOLERANCE = 1.5  # '~' is met within a factor 1.5 of the value, either way
+PIPELINE_BATCH = ("data.batch_size=256",)
+"""The global batch of every pipeline run and of the single-process run it is compared with."""
 
 
 @dataclass(frozen=True)
@@ -242,7 +244,7 @@ WORKLOADS: dict[str, Workload] = {
             "small CNN on CIFAR-10 (20k images), 2 stages",
             0.55,
             # the pipeline's speed-up is over single-process backprop at the pipeline's global batch
-            one_process=("data.batch_size=256",),
+            one_process=PIPELINE_BATCH,
         ),
         Workload(  # issue 19: a network of 10 blocks, which a cut can balance better than the CNN's 4
             "decoupled_resnet20",
@@ -251,7 +253,7 @@ WORKLOADS: dict[str, Workload] = {
             "ResNet-20 (10 blocks) on CIFAR-10 (20k images), 2 stages",
             0.55,
             overrides=("model=resnet20",),
-            one_process=("data.batch_size=256",),
+            one_process=PIPELINE_BATCH,
         ),
         Workload(
             "grid2d_mlp", "grid2d", "grid2d_cifar10_mlp", "MLP 3x2048 on CIFAR-10 (20k images), global batch 256", 0.35
@@ -295,6 +297,11 @@ def beats_ddp_and_peers(time_ratio: float, why: str) -> tuple[Target, ...]:
 # One line per (workload, strategy). Strategies not registered yet are skipped with a message.
 # Every run uses the workload's own optimizer (the experiment's Nesterov momentum 0.9): users
 # switch strategies without retuning, so no strategy gets an optimizer of its own here.
+def _pipeline(workload: str, args: dict[str, Any], label: str = "") -> Scenario:
+    """A ``decoupled`` run at :data:`PIPELINE_BATCH`, the global batch its one-process run uses too."""
+    return Scenario(workload, "decoupled", args, label=label, overrides=PIPELINE_BATCH)
+
+
 SCENARIOS: tuple[Scenario, ...] = (
     Scenario(
         "hpsgd_mlp",
@@ -342,43 +349,16 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("dbs_straggler", "localsgd", {"tau": 8}),
     Scenario("dbs_straggler", "dbs_async", {}),
     Scenario("dbs_straggler", "asgd", {}),
-    Scenario("decoupled_cnn", "decoupled", {}, overrides=("data.batch_size=256",)),  # K=2 stages, 1 replica
-    Scenario(
-        "decoupled_cnn", "decoupled", {"wire_dtype": "bf16"}, label="decoupled-bf16", overrides=("data.batch_size=256",)
-    ),
-    Scenario(  # FDG's order within an iteration: backward and update, then forward
-        "decoupled_cnn",
-        "decoupled",
-        {"order": "backward_first"},
-        label="decoupled-fdg-order",
-        overrides=("data.batch_size=256",),
-    ),
+    _pipeline("decoupled_cnn", {}),  # K=2 stages, 1 replica
+    _pipeline("decoupled_cnn", {"wire_dtype": "bf16"}, "decoupled-bf16"),
+    # FDG's order within an iteration: backward and update, then forward
+    _pipeline("decoupled_cnn", {"order": "backward_first"}, "decoupled-fdg-order"),
     # the communication-aware cut (1 Gbit/s between the stages) on a network whose blocks balance
-    Scenario(
-        "decoupled_resnet20",
-        "decoupled",
-        {"link_gbps": 1.0},
-        label="decoupled-cut",
-        overrides=("data.batch_size=256",),
-    ),
-    Scenario(
-        "decoupled_resnet20",
-        "decoupled",
-        {"link_gbps": 1.0, "wire_dtype": "bf16"},
-        label="decoupled-cut-bf16",
-        overrides=("data.batch_size=256",),
-    ),
-    Scenario(
-        "decoupled_resnet20",
-        "decoupled",
-        {"link_gbps": 1.0, "order": "backward_first"},
-        label="decoupled-cut-fdg-order",
-        overrides=("data.batch_size=256",),
-    ),
+    _pipeline("decoupled_resnet20", {"link_gbps": 1.0}, "decoupled-cut"),
+    _pipeline("decoupled_resnet20", {"link_gbps": 1.0, "wire_dtype": "bf16"}, "decoupled-cut-bf16"),
+    _pipeline("decoupled_resnet20", {"link_gbps": 1.0, "order": "backward_first"}, "decoupled-cut-fdg-order"),
     # plain backprop through the same 2 stages (one stage idle at a time): the no-overlap baseline
-    Scenario(
-        "decoupled_cnn", "decoupled", {"schedule": "sync"}, label="decoupled-sync", overrides=("data.batch_size=256",)
-    ),
+    _pipeline("decoupled_cnn", {"schedule": "sync"}, "decoupled-sync"),
     Scenario("grid2d_mlp", "grid2d", {"grid": [2, 1]}, overrides=("data.batch_size=256",)),  # Pr=2, Pc=1: 1 replica
     # issue 20: two levels (2 nodes x 2 ranks, loopback inside a node, a slow link between nodes)
     Scenario("two_level_mlp", "hpsgd", {"window": 4}, label="hpsgd-flat"),
