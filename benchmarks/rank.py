@@ -171,6 +171,7 @@ def run_rank(spec: dict[str, Any], callbacks: list[Callback] | None = None) -> d
 def _measurements(trainer: pl.Trainer, recorder: Recorder, cfg: Any, callbacks: list[Callback]) -> dict[str, Any]:
     stats = getattr(trainer.strategy, "comm_stats", None)
     slept = sum(float(getattr(cb, "delay_s", 0.0)) for cb in callbacks)  # the delay-mode straggler's stall
+    words = [p.numel() for p in trainer.lightning_module.parameters()]  # per tensor, in order
     return {
         "rank": trainer.global_rank,
         "world_size": trainer.world_size,
@@ -192,11 +193,11 @@ def _measurements(trainer: pl.Trainer, recorder: Recorder, cfg: Any, callbacks: 
         "straggler_slept_s": slept,
         "peak_rss_mb": peak_rss_mb(),
         "strategy_config": OmegaConf.to_container(cfg.strategy, resolve=True),
-        "parameters": sum(p.numel() for p in trainer.lightning_module.parameters()),
+        "parameters": sum(words),
         # the simulator's inputs (benchmarks/predicted.py): BatchNorm statistics travel with the parameters
         "float_buffers": sum(b.numel() for b in trainer.lightning_module.buffers() if b.is_floating_point()),
-        "tensors": sum(1 for _ in trainer.lightning_module.parameters()),
-        "tensor_words": [p.numel() for p in trainer.lightning_module.parameters()],  # DDP's buckets
+        "tensors": len(words),
+        "tensor_words": words,  # DDP's buckets
     }
 
 
