@@ -28,12 +28,12 @@ FULL = [Cell(*c) for c in product(FAMILIES, START_METHODS, FAULTS)]
 
 # Every family, every fault and both start methods at least once, in about 3 minutes on 2 cores.
 SUBSET = [
-    Cell("decoupled", "fork", "hang"),
+    Cell("decoupled", "popen", "hang"),
     Cell("mgrawa", "popen", "kill0"),
     Cell("hpsgd", "fork", "sigint"),
     Cell("dbs", "popen", "sigterm"),
     Cell("grid2d", "fork", "kill1"),
-    Cell("ddp_post_local_sgd", "fork", "raise"),
+    Cell("ddp_post_local_sgd", "popen", "raise"),
     Cell("mgrawa", "fork", "kill_save"),
     Cell("mgrawa@async", "fork", "hang"),
     Cell("mgrawa@async", "fork", "kill0"),

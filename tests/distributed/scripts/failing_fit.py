@@ -1,13 +1,9 @@
 """A 2-process fit where rank 1 raises or hangs at its third batch.
 
-Run as a script it uses the popen launcher (this script is re-run for rank 1);
-``tests/distributed/test_failures.py`` imports :func:`fit` for the fork/spawn cases.
-
-usage: python failing_fit.py raise|hang TIMEOUT_S
+``tests/distributed/test_failures.py`` imports :func:`fit` and runs it under the fork/spawn
+launchers (the popen launcher's failures are the fault cells of ``tests/faults``).
 """
 
-import os
-import sys
 import time
 
 import lightning.pytorch as pl
@@ -52,8 +48,3 @@ def fit(mode: str, samples: int = 64, **strategy_kwargs) -> int:
     )
     trainer.fit(Failing(mode), data)
     return trainer.global_step
-
-
-if __name__ == "__main__":
-    print(f"PID {os.getpid()} LOCAL_RANK {os.environ.get('LOCAL_RANK', '0')}", flush=True)
-    fit(sys.argv[1], timeout=float(sys.argv[2]))
