@@ -1,0 +1,114 @@
+"""``sampler='shared'`` under a real Trainer: one rank slowed, every sample trained once, fast ranks take more steps."""
+
+import os
+import time
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_hier import AsgdStrategy, SoftsyncStrategy
+from lightning_hier.models import Classifier, mlp
+from lightning_hier.testing import run_workers
+from tests.helpers import trainer
+
+N, BATCH, EPOCHS, WORLD = 240, 4, 2, 3
+SLOW_RANK, SLEEP_S = 2, 0.25
+
+
+class Indexed(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """Random 8x8 inputs that record which indices this rank loaded (num_workers=0: in the training process)."""
+
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.x, self.y = torch.randn(N, 1, 8, 8, generator=g), torch.randint(0, 10, (N,), generator=g)
+        self.seen: list[int] = []
+
+    def __len__(self) -> int:
+        return N
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        self.seen.append(int(i))
+        return self.x[i], self.y[i]
+
+
+class SlowRank(Callback):
+    """Rank ``SLOW_RANK`` sleeps before every batch; every rank counts its steps per epoch."""
+
+    def __init__(self) -> None:
+        self.steps: dict[int, int] = {}
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if trainer.global_rank == SLOW_RANK:
+            time.sleep(SLEEP_S)
+        self.steps[trainer.current_epoch] = self.steps.get(trainer.current_epoch, 0) + 1
+
+
+def _fit(name: str) -> dict[str, Any]:
+    torch.manual_seed(0)
+    module = Classifier(mlp((1, 8, 8), 10, hidden=(16,)), 10, lr=0.05)
+    strategy = (
+        AsgdStrategy(sampler="shared", timeout=30)
+        if name == "asgd"
+        else SoftsyncStrategy(n=3, sampler="shared", timeout=30)
+    )
+    data = Indexed()
+    slow = SlowRank()
+    t = trainer(strategy=strategy, devices=int(os.environ["WORLD_SIZE"]), max_epochs=EPOCHS, callbacks=[slow])
+    # validation at each epoch's end pauses the server; the next epoch's first claims restart it
+    t.fit(module, DataLoader(data, batch_size=BATCH, shuffle=True), DataLoader(Indexed(), batch_size=16))
+    assert strategy.ps is not None
+    return {"seen": data.seen, "steps": slow.steps, "stats": strategy.ps.stats()}
+
+
+@pytest.mark.parametrize("name", ["asgd", "softsync"])
+def test_shared_queue_trains_each_sample_once_and_fast_ranks_take_more_steps(name):
+    out = run_workers(_fit, name, devices=WORLD, timeout=120)
+    seen = sorted(i for r in out for i in r["seen"])
+    assert seen == sorted(list(range(N)) * EPOCHS)  # every sample once per epoch, across the ranks
+    for epoch in range(EPOCHS):
+        steps = [r["steps"][epoch] for r in out]
+        assert sum(steps) == N // BATCH
+        # the slow rank sleeps 0.25 s a step, the others take milliseconds: with a split each would take
+        # N / (BATCH * WORLD) = 20 steps; here the slow rank gets a few and the fast ones the rest
+        assert min(steps[0], steps[1]) >= 2 * steps[SLOW_RANK], steps
+    stats = out[0]["stats"]
+    pushes = {w: stats[f"ps/worker{w}/staleness_mean"] for w in range(WORLD)}
+    assert stats["ps/applied"] == EPOCHS * N // BATCH, (stats, pushes)
+
+
+def _fit_rejected(option: dict[str, Any]) -> None:
+    torch.manual_seed(0)
+    module = Classifier(mlp((1, 8, 8), 10, hidden=(16,)), 10, lr=0.05)
+    t = trainer(strategy=AsgdStrategy(sampler="shared", timeout=30), devices=2, **option)
+    t.fit(module, DataLoader(Indexed(), batch_size=BATCH))
+
+
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        ({"val_check_interval": 5}, "val_check_interval"),
+        ({"limit_train_batches": 0.5}, "limit_train_batches"),
+        (
+            {"callbacks": [ModelCheckpoint(every_n_train_steps=3)], "enable_checkpointing": True},
+            "every_n_train_steps=3",
+        ),
+    ],
+)
+def test_shared_queue_rejects_per_step_trainer_options(option, message):
+    from lightning_hier.testing import WorkerFailed
+
+    with pytest.raises(WorkerFailed, match=message):
+        run_workers(_fit_rejected, option, devices=2, timeout=60)
+
+
+def test_shared_queue_rejects_dedicated_server_and_synchronous_softsync():
+    with pytest.raises(ValueError, match=r"sampler.*'shared'.*dedicated"):
+        AsgdStrategy(sampler="shared", server="dedicated")
+    with pytest.raises(ValueError, match="`n`=1"):
+        SoftsyncStrategy(n=1, sampler="shared")
+    with pytest.raises(ValueError, match="sampler"):
+        AsgdStrategy(sampler="queue")
