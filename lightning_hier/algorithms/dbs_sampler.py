@@ -125,6 +125,14 @@ class Allocation:
         self._pending.append((sizes[self.rank], total))
         return sum(sizes[: self.rank]), sizes[self.rank]
 
+    def take_claimed(self, size: int) -> None:
+        """Count a batch of ``size`` samples that the server sized (a shared queue's claim, not a slice).
+
+        The training loop then consumes it as ``(size, B)``: its gradient weighs ``size / B``.
+        """
+        self.drawn += 1
+        self._pending.append((int(size), self.global_batch))
+
     def consume_share(self) -> tuple[int, int]:
         """This rank's samples in the batch the training loop is about to use, and the global batch's.
 

@@ -10,7 +10,7 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_hier import AsgdStrategy, SoftsyncStrategy
+from lightning_hier import AsgdStrategy, AsyncDBSStrategy, SoftsyncStrategy
 from lightning_hier.models import Classifier, mlp
 from lightning_hier.testing import run_workers
 from tests.helpers import trainer
@@ -36,15 +36,20 @@ class Indexed(Dataset[tuple[torch.Tensor, torch.Tensor]]):
 
 
 class SlowRank(Callback):
-    """Rank ``SLOW_RANK`` sleeps before every batch; every rank counts its steps per epoch."""
+    """Rank ``SLOW_RANK`` sleeps before every batch; every rank counts its steps per epoch and its batch sizes."""
 
-    def __init__(self) -> None:
+    def __init__(self, sleep_s: float = SLEEP_S) -> None:
+        self.sleep_s = sleep_s
         self.steps: dict[int, int] = {}
+        self.sizes: list[int] = []
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if trainer.global_rank == SLOW_RANK:
-            time.sleep(SLEEP_S)
+            time.sleep(self.sleep_s)
         self.steps[trainer.current_epoch] = self.steps.get(trainer.current_epoch, 0) + 1
+        self.sizes.append(len(batch[1]))
 
 
 def _fit(name: str) -> dict[str, Any]:
@@ -78,6 +83,33 @@ def test_shared_queue_trains_each_sample_once_and_fast_ranks_take_more_steps(nam
     stats = out[0]["stats"]
     pushes = {w: stats[f"ps/worker{w}/staleness_mean"] for w in range(WORLD)}
     assert stats["ps/applied"] == EPOCHS * N // BATCH, (stats, pushes)
+
+
+def _fit_dbs(rebalance_every: int, sleep_s: float) -> dict[str, Any]:
+    torch.manual_seed(0)
+    module = Classifier(mlp((1, 8, 8), 10, hidden=(16,)), 10, lr=0.05)
+    strategy = AsyncDBSStrategy(
+        sampler="shared", initial_sizes=[6, 4, 2], rebalance_every=rebalance_every, warmup_steps=1, timeout=30
+    )
+    data, slow = Indexed(), SlowRank(sleep_s)
+    t = trainer(strategy=strategy, devices=WORLD, max_epochs=EPOCHS, callbacks=[slow])
+    t.fit(module, DataLoader(data, batch_size=BATCH, shuffle=True))
+    server = strategy.ps.server if strategy.ps is not None else None
+    shares = server.core.claims.shares if server is not None and server.core.claims is not None else None
+    return {"seen": data.seen, "sizes": slow.sizes, "rebalances": shares.rebalances if shares is not None else None}
+
+
+def test_dbs_async_shared_claims_are_sized_by_the_server():
+    fixed = run_workers(_fit_dbs, 10**6, 0.05, devices=WORLD, timeout=120)  # never measured: the initial split
+    assert sorted(i for r in fixed for i in r["seen"]) == sorted(list(range(N)) * EPOCHS)
+    for size, r in zip([6, 4, 2], fixed, strict=True):
+        # every claim is the server's size for the rank; only an epoch's last claim may be cut short
+        assert r["sizes"] and max(r["sizes"]) == size and sum(b != size for b in r["sizes"]) <= EPOCHS, r["sizes"]
+    # every rank reports its speed every 2 of its steps (no sleep: every rank takes enough steps to measure)
+    moving = run_workers(_fit_dbs, 2, 0.0, devices=WORLD, timeout=120)
+    assert sorted(i for r in moving for i in r["seen"]) == sorted(list(range(N)) * EPOCHS)
+    assert moving[0]["rebalances"] > 0  # the server re-split B from the reported speeds, with no all-gather
+    assert any(set(r["sizes"]) - {b} for b, r in zip([6, 4, 2], moving, strict=True))
 
 
 def _fit_rejected(option: dict[str, Any]) -> None:
