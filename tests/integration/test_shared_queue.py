@@ -112,6 +112,27 @@ def test_dbs_async_shared_claims_are_sized_by_the_server():
     assert any(set(r["sizes"]) - {b} for b, r in zip([6, 4, 2], moving, strict=True))
 
 
+def _fit_resumable(ckpt_dir: str, epochs: int, resume: bool) -> dict[str, Any]:
+    torch.manual_seed(0)
+    module = Classifier(mlp((1, 8, 8), 10, hidden=(16,)), 10, lr=0.05)
+    strategy = AsgdStrategy(sampler="shared", timeout=30)
+    ckpt = ModelCheckpoint(dirpath=ckpt_dir, save_top_k=-1, every_n_epochs=1, filename="{epoch}")
+    data = Indexed()
+    t = trainer(strategy=strategy, devices=WORLD, max_epochs=epochs, callbacks=[ckpt], enable_checkpointing=True)
+    path = os.path.join(ckpt_dir, "epoch=0.ckpt") if resume else None
+    t.fit(module, DataLoader(data, batch_size=BATCH, shuffle=True), ckpt_path=path)
+    assert strategy.ps is not None
+    return {"seen": data.seen, "stats": strategy.ps.stats(), "epoch": t.current_epoch}
+
+
+def test_shared_queue_resumes_after_an_epoch_end_checkpoint_with_the_next_epoch(tmp_path):
+    run_workers(_fit_resumable, str(tmp_path), 1, False, devices=WORLD, timeout=120)
+    resumed = run_workers(_fit_resumable, str(tmp_path), 3, True, devices=WORLD, timeout=120)
+    # epochs 1 and 2, each sample once per epoch: not the used-up epoch 0 again (an empty epoch) nor half of one
+    assert sorted(i for r in resumed for i in r["seen"]) == sorted(list(range(N)) * 2)
+    assert resumed[0]["stats"]["ps/applied"] == 3 * N // BATCH  # the server's counters go on from the checkpoint
+
+
 def _fit_rejected(option: dict[str, Any]) -> None:
     torch.manual_seed(0)
     module = Classifier(mlp((1, 8, 8), 10, hidden=(16,)), 10, lr=0.05)
