@@ -26,6 +26,9 @@ epoch and the loader has no length. What that means in Lightning 2.6 (read in
   schedule sized by it (``OneCycleLR``) cannot be built.
 - ``ModelCheckpoint(every_n_train_steps=...)`` or ``train_time_interval`` would save (a
   collective) at each rank's own step or time: rejected. Saving at epoch ends is fine.
+- ``Trainer(max_time=...)`` (or a ``Timer(interval='step')``) broadcasts its stop decision from
+  rank 0 after every training batch (``Timer._check_time_remaining``), a per-step collective:
+  rejected. ``Timer(interval='epoch')`` checks at epoch ends: allowed.
 
 Per-step collectives that would hold the ranks together: Lightning's SIGTERM broadcast is replaced
 (:mod:`~lightning_hier.strategies._step_sync`); a module that logs per step with
@@ -37,7 +40,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, Timer
+from lightning.pytorch.callbacks.timer import Interval
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -58,7 +62,8 @@ def check_shared_trainer(owner: str, trainer: pl.Trainer) -> None:
 
     Raises:
         ValueError: ``val_check_interval`` is not ``1.0``, ``limit_train_batches`` a float other than
-            ``1.0``, or a ``ModelCheckpoint`` saves every ``n`` training steps or by time.
+            ``1.0``, a ``ModelCheckpoint`` saves every ``n`` training steps or by time, or a ``Timer``
+            (``max_time``) checks after every step.
     """
     interval = trainer.val_check_interval
     if getattr(trainer, "_val_check_time_interval", None) is not None or isinstance(interval, int) or interval != 1.0:
@@ -74,3 +79,7 @@ def check_shared_trainer(owner: str, trainer: pl.Trainer) -> None:
             steps, interval_ = callback._every_n_train_steps, callback._train_time_interval
             shown = f"every_n_train_steps={steps}" if steps > 0 else f"train_time_interval={interval_}"
             raise _fail(owner, "ModelCheckpoint", shown, "saving at epoch ends (every_n_epochs)")
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]  # set by Lightning, not declared
+        if isinstance(callback, Timer) and callback._duration is not None and callback._interval == Interval.step:
+            shown = f"Timer(duration={callback._duration}, interval='step') (Trainer(max_time=...))"
+            raise _fail(owner, "a time limit", shown, "checked at epoch ends: Timer(..., interval='epoch')")

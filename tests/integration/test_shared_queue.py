@@ -149,6 +149,7 @@ def _fit_rejected(option: dict[str, Any]) -> None:
             {"callbacks": [ModelCheckpoint(every_n_train_steps=3)], "enable_checkpointing": True},
             "every_n_train_steps=3",
         ),
+        ({"max_time": {"minutes": 5}}, "interval='step'"),
     ],
 )
 def test_shared_queue_rejects_per_step_trainer_options(option, message):
