@@ -295,10 +295,11 @@ class AsgdStrategy(ParameterServerWorker):
             parameter servers (:mod:`lightning_hier.algorithms.claim_sampler`). The training loader
             then has no length: ``val_check_interval`` must be ``1.0``, ``limit_train_batches`` an
             int or ``1.0``, ``max_steps`` counts each rank's own steps, no ``ModelCheckpoint``
-            may save every ``n`` steps and no ``max_time`` is checked per step (rejected when fit starts). A module that logs per step
-            with ``sync_dist=True`` would hang (the ranks log a different number of times): log
-            per step without it. Needs ``server='rank0'``. A mid-epoch checkpoint loses the batches
-            claimed ahead of training (at most the fetcher's look-ahead per rank).
+            may save every ``n`` steps and no ``max_time`` is checked per step (rejected when fit
+            starts). A module that logs per step with ``sync_dist=True`` would hang (the ranks log
+            a different number of times): log per step without it. Needs ``server='rank0'``. A
+            mid-epoch checkpoint loses the batches claimed ahead of training (at most the
+            fetcher's look-ahead per rank).
         **kwargs: See :class:`~lightning_hier.strategies._base.HierStrategy` (``timeout``: also the
             longest a worker may stay silent between two requests).
 
