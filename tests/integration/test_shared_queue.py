@@ -155,7 +155,7 @@ def _fit_rejected(option: dict[str, Any]) -> None:
 def test_shared_queue_rejects_per_step_trainer_options(option, message):
     from lightning_hier.testing import WorkerFailed
 
-    with pytest.raises(WorkerFailed, match=message):
+    with pytest.raises(WorkerFailed, match=f"with sampler='shared'.*{message}"):
         run_workers(_fit_rejected, option, devices=2, timeout=60)
 
 
