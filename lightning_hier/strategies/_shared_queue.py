@@ -20,10 +20,12 @@ epoch and the loader has no length. What that means in Lightning 2.6 (read in
 - ``limit_train_batches``: a float other than ``1.0`` is rejected (Lightning would, likewise); an
   ``int`` ``k`` caps *each* rank's epoch at ``k`` batches, so the fast ranks take no more steps
   than the slow one and samples of the epoch are left untrained: allowed, but it undoes the mode.
-- ``max_steps`` counts each rank's own optimizer steps; a rank that reaches it ends its fit and
-  waits there (the end of fit is a meeting); the others go on to their own ``max_steps``.
-- ``trainer.estimated_stepping_batches`` is ``inf`` without ``max_steps``, so a learning-rate
-  schedule sized by it (``OneCycleLR``) cannot be built.
+- ``max_steps`` would count each rank's own optimizer steps: a fast rank reaches it in an earlier
+  epoch than the slow one and goes on to the end of fit (a broadcast of the server's model) while
+  the others meet at their next epoch end (a metric sync): mismatched collectives. Rejected; stop
+  by ``max_epochs``.
+- ``trainer.estimated_stepping_batches`` is therefore ``inf``, so a learning-rate schedule sized
+  by it (``OneCycleLR``) cannot be built.
 - ``ModelCheckpoint(every_n_train_steps=...)`` or ``train_time_interval`` would save (a
   collective) at each rank's own step or time: rejected. Saving at epoch ends is fine.
 - ``Trainer(max_time=...)`` (or a ``Timer(interval='step')``) broadcasts its stop decision from
@@ -62,13 +64,15 @@ def check_shared_trainer(owner: str, trainer: pl.Trainer) -> None:
 
     Raises:
         ValueError: ``val_check_interval`` is not ``1.0``, ``limit_train_batches`` a float other than
-            ``1.0``, a ``ModelCheckpoint`` saves every ``n`` training steps or by time, or a ``Timer``
-            (``max_time``) checks after every step.
+            ``1.0``, ``max_steps`` is set, a ``ModelCheckpoint`` saves every ``n`` training steps or by
+            time, or a ``Timer`` (``max_time``) checks after every step.
     """
     interval = trainer.val_check_interval
     if getattr(trainer, "_val_check_time_interval", None) is not None or isinstance(interval, int) or interval != 1.0:
         shown = getattr(trainer, "_val_check_time_interval", None) or interval
         raise _fail(owner, "Trainer(val_check_interval)", shown, "1.0 (validate at the end of each epoch)")
+    if trainer.max_steps != -1:
+        raise _fail(owner, "Trainer(max_steps)", trainer.max_steps, "-1 (unset: stop by max_epochs)")
     limit = trainer.limit_train_batches
     if isinstance(limit, float) and limit != 1.0:
         raise _fail(owner, "Trainer(limit_train_batches)", limit, "1.0 or an int (batches per rank)")

@@ -294,7 +294,7 @@ class AsgdStrategy(ParameterServerWorker):
             once across the ranks and a fast worker takes more steps, as in the papers'
             parameter servers (:mod:`lightning_hier.algorithms.claim_sampler`). The training loader
             then has no length: ``val_check_interval`` must be ``1.0``, ``limit_train_batches`` an
-            int or ``1.0``, ``max_steps`` counts each rank's own steps, no ``ModelCheckpoint``
+            int or ``1.0``, ``max_steps`` unset (stop by ``max_epochs``), no ``ModelCheckpoint``
             may save every ``n`` steps and no ``max_time`` is checked per step (rejected when fit
             starts). A module that logs per step with ``sync_dist=True`` would hang (the ranks log
             a different number of times): log per step without it. Needs ``server='rank0'``. A

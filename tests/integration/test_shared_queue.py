@@ -150,6 +150,7 @@ def _fit_rejected(option: dict[str, Any]) -> None:
             "every_n_train_steps=3",
         ),
         ({"max_time": {"minutes": 5}}, "interval='step'"),
+        ({"max_steps": 10}, "max_steps"),
     ],
 )
 def test_shared_queue_rejects_per_step_trainer_options(option, message):
