@@ -133,6 +133,34 @@ def test_shared_queue_resumes_after_an_epoch_end_checkpoint_with_the_next_epoch(
     assert resumed[0]["stats"]["ps/applied"] == 3 * N // BATCH  # the server's counters go on from the checkpoint
 
 
+class HangRank1(Callback):
+    """Rank 1 stops at its third batch as if hung: it sends no further claim or push."""
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
+        if trainer.global_rank == 1 and idx == 2:
+            time.sleep(3600)
+
+
+def _fit_hung() -> None:
+    torch.manual_seed(0)
+    module = Classifier(mlp((1, 8, 8), 10, hidden=(16,)), 10, lr=0.05)
+    t = trainer(strategy=AsgdStrategy(sampler="shared", timeout=4), devices=WORLD, callbacks=[HangRank1()])
+    t.fit(module, DataLoader(Indexed(), batch_size=BATCH))
+
+
+def test_shared_queue_a_hung_rank_fails_the_fit_within_the_timeout_and_is_named():
+    from lightning_hier.testing import WorkerFailed
+
+    start = time.monotonic()
+    with pytest.raises(WorkerFailed) as info:
+        run_workers(_fit_hung, devices=WORLD, timeout=60)
+    elapsed = time.monotonic() - start
+    # rank 0 (the server) names the silent worker; no rank waits forever on a claim or a reply
+    assert info.value.rank == 0 and "rank 1 did not answer" in str(info.value), info.value
+    assert "No failure report from rank(s) [1]" in str(info.value)
+    assert elapsed < 40, f"took {elapsed:.1f} s"
+
+
 def _fit_rejected(option: dict[str, Any]) -> None:
     torch.manual_seed(0)
     module = Classifier(mlp((1, 8, 8), 10, hidden=(16,)), 10, lr=0.05)
