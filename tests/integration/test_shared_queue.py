@@ -156,8 +156,8 @@ def test_shared_queue_a_hung_rank_fails_the_fit_within_the_timeout_and_is_named(
         run_workers(_fit_hung, devices=WORLD, timeout=60)
     elapsed = time.monotonic() - start
     # rank 0 (the server) names the silent worker; no rank waits forever on a claim or a reply
-    assert info.value.rank == 0 and "rank 1 did not answer" in str(info.value), info.value
-    assert "No failure report from rank(s) [1]" in str(info.value)
+    # (whether rank 2's own report of the failure arrives in time to be left out of the list is a race)
+    assert info.value.rank == 0 and "receiving from rank 1 did not answer" in str(info.value), info.value
     assert elapsed < 40, f"took {elapsed:.1f} s"
 
 
