@@ -22,7 +22,12 @@ since the fit started; after all fits, each snapshot is evaluated on the validat
 strategy's accuracy is read at the wall time of the fastest fit of its group ("equal wall time").
 Run from the repository root::
 
-    python -m benchmarks.studies.dbs_async --workloads mnist cifar10 --factors 2 4 [--straggler spin]
+    python -m benchmarks.studies.dbs_async --workloads mnist cifar10 --factors 2 4 [--straggler spin] [--sampler shared]
+
+``--sampler shared``: every rank claims its batches from the server's shared queue, so a fast
+rank takes more steps than the straggler (the papers' free-running workers); ``dbs_async``'s
+server then sizes each claim from the speeds the workers report. Default ``split``: each rank its
+own shard, every rank the same number of steps per epoch.
 
 MNIST: the t10k file split 8000 / 2000 (only the test set is offline here); CIFAR-10: a fixed
 5000-image training subset of ``cifar10-jpeg.tar.gz``, evaluated on the 10,000 test images.
@@ -45,6 +50,7 @@ from benchmarks.leftovers import exit_on_termination
 from benchmarks.rank_quotas import RankQuotas, rank_quotas
 from benchmarks.studies._trainer import quiet_trainer
 from lightning_hier import AsgdStrategy, AsyncDBSStrategy, SoftsyncStrategy
+from lightning_hier.algorithms.claim_sampler import ClaimQueue
 from lightning_hier.callbacks import Straggler
 from lightning_hier.data import CIFAR10DataModule, DigitsDataModule, MNISTDataModule
 from lightning_hier.data.datamodule import ArrayDataModule
@@ -59,11 +65,18 @@ RANKS, SLOW_RANK = 3, 2
 BATCH = 128
 STRAGGLERS = ("cgroup", "spin")
 SHARE = 0.6  # cores of a normal rank under --straggler cgroup: 0.6 + 0.6 + 0.6 / factor < 2 cores
-# each factory takes the DBS timer: the clock that sees the straggler's slowdown
-STRATEGIES: dict[str, Callable[[str], ParameterServerWorker]] = {
-    "dbs_async": lambda timer: AsyncDBSStrategy(rebalance_every=10, warmup_steps=3, timer=timer, timeout=120),
-    "asgd": lambda _: AsgdStrategy(timeout=120),
-    "softsync_n2": lambda _: SoftsyncStrategy(n=2, timeout=120),
+SAMPLERS = ("split", "shared")
+# each factory takes the DBS timer (the clock that sees the straggler's slowdown) and the sampler
+# a report of the speed rides on a claim under sampler='shared' (no all-gather): the study then measures
+# every 2 of a worker's own steps; with 10, the straggler (15 steps on CIFAR-10 at 4x) reported only
+# once, after 13 of its steps, so most of its steps ran at the equal split
+PERIODS = {"split": (10, 3), "shared": (2, 1)}  # (rebalance_every, warmup_steps)
+STRATEGIES: dict[str, Callable[[str, str], ParameterServerWorker]] = {
+    "dbs_async": lambda timer, sampler: AsyncDBSStrategy(
+        rebalance_every=PERIODS[sampler][0], warmup_steps=PERIODS[sampler][1], timer=timer, timeout=120, sampler=sampler
+    ),
+    "asgd": lambda _, sampler: AsgdStrategy(timeout=120, sampler=sampler),
+    "softsync_n2": lambda _, sampler: SoftsyncStrategy(n=2, timeout=120, sampler=sampler),
 }
 
 
@@ -121,12 +134,14 @@ def _workloads(mnist_root: str, cifar_root: str) -> dict[str, dict[str, Any]]:
     }
 
 
-def _fit(name: str, w: dict[str, Any], dm: ArrayDataModule, factor: float, seed: int, straggler: str) -> dict[str, Any]:
+def _fit(
+    name: str, w: dict[str, Any], dm: ArrayDataModule, factor: float, seed: int, straggler: str, sampler: str
+) -> dict[str, Any]:
     torch.manual_seed(seed)
     module: Classifier = w["model"]()
     # a quota slows the whole process (wall time); a spinning straggler burns CPU time
     spin = straggler == "spin"
-    strategy, snaps = STRATEGIES[name]("cpu" if spin else "wall"), Snapshots(every=2)
+    strategy, snaps = STRATEGIES[name]("cpu" if spin else "wall", sampler), Snapshots(every=2)
     slow = [Straggler(ranks=SLOW_RANK, factor=factor, mode="spin")] if spin else []
     trainer = quiet_trainer(
         strategy=strategy,
@@ -142,9 +157,16 @@ def _fit(name: str, w: dict[str, Any], dm: ArrayDataModule, factor: float, seed:
     stats = strategy.ps.stats()
     history = strategy.algorithm.history if isinstance(strategy, AsyncDBSStrategy) and strategy.algorithm else []
     last = history[-1] if history else {}
-    speeds = [round(v) for v in last.get("samples_per_s", [])]
-    row = {"strategy": name, "wall_s": wall, "stats": stats, "sizes": last.get("sizes"), "speeds": speeds}
+    sizes, speeds = last.get("sizes"), last.get("samples_per_s", [])
+    server = strategy.ps.server  # rank 0: each worker's pushes, and under sampler='shared' the server's split
+    pushes = [server.core.stats.workers[r].pushes for r in range(RANKS)] if server is not None else []
+    claims = server.core.claims if server is not None else None
+    shares = claims.shares if isinstance(claims, ClaimQueue) else None
+    if shares is not None:
+        sizes, speeds = shares.sizes, shares.speeds
+    row = {"strategy": name, "wall_s": wall, "stats": stats, "sizes": sizes, "speeds": [round(v) for v in speeds]}
     row["steps"] = trainer.global_step
+    row["pushes"] = pushes
     return row | {"snaps": snaps.taken, "module": module}
 
 
@@ -192,11 +214,13 @@ def _work(
     cifar_root: str,
     straggler: str = "spin",
     quotas: RankQuotas | None = None,
+    sampler: str = "split",
 ) -> list[dict]:
     """One rank of the study: every workload and factor, each strategy fitted in turn; rows on rank 0.
 
     With ``quotas`` (``straggler='cgroup'``, one factor) the rank first moves into its cgroup,
     before Lightning or the server start any thread (``RANK`` is the harness's torchrun layout).
+    ``sampler`` is the strategies' (``'shared'``: the ranks claim batches from the server's queue).
     """
     if quotas is not None:
         quotas.join(int(os.environ["RANK"]))
@@ -206,7 +230,7 @@ def _work(
         w = _workloads(mnist_root, cifar_root)[wname]
         dm = w["data"]()
         for factor in factors:
-            fits = [_fit(name, w, dm, factor, seed, straggler) for name in STRATEGIES]
+            fits = [_fit(name, w, dm, factor, seed, straggler, sampler) for name in STRATEGIES]
             if torch.distributed.get_rank() != 0:
                 continue
             equal = min(f["wall_s"] for f in fits)
@@ -214,7 +238,7 @@ def _work(
             val = [dm.on_after_batch_transfer(b, 0) for b in dm.val_dataloader()]
             for f in fits:
                 row = {"workload": wname, "factor": factor, "equal_wall_s": equal}
-                row |= {k: f[k] for k in ("strategy", "wall_s", "sizes", "speeds", "steps")}
+                row |= {k: f[k] for k in ("strategy", "wall_s", "sizes", "speeds", "steps", "pushes")}
                 row |= _staleness(f["stats"])
                 row["acc_equal_wall"] = _accuracy(f["module"], _at(f["snaps"], equal), val)
                 row["acc_end"] = _accuracy(f["module"], f["snaps"][-1][1], val)
@@ -226,10 +250,10 @@ def _run(args: argparse.Namespace, factor: float) -> list[dict]:
     """The three ranks for one slowdown ``factor`` (under ``--straggler cgroup``: in their cgroups)."""
     common = (args.workloads, [factor], args.seed, args.mnist_root, args.cifar_root, args.straggler)
     if args.straggler == "spin":
-        return run_workers(_work, *common, devices=RANKS, timeout=3000)[0]
+        return run_workers(_work, *common, None, args.sampler, devices=RANKS, timeout=3000)[0]
     with rank_quotas(RANKS, args.share, SLOW_RANK, factor) as quotas:
         # the harness kills and reaps every rank before it returns or raises: the cgroups are empty
-        rows = run_workers(_work, *common, quotas, devices=RANKS, timeout=3000)[0]
+        rows = run_workers(_work, *common, quotas, args.sampler, devices=RANKS, timeout=3000)[0]
         throttled = quotas.throttled_s()
         cores = quotas.shares
     for row in rows:
@@ -244,6 +268,9 @@ def main() -> None:
     parser.add_argument("--straggler", choices=STRAGGLERS, default="cgroup")
     parser.add_argument("--share", type=float, default=SHARE, help="cores of a normal rank under --straggler cgroup")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--sampler", choices=SAMPLERS, default="split", help="'shared': ranks claim batches from the server's queue"
+    )
     parser.add_argument("--mnist-root", default="../shared/datasets/mnist")
     parser.add_argument("--cifar-root", default="../shared/datasets/cifar10-jpeg.tar.gz")
     args = parser.parse_args()
@@ -266,7 +293,8 @@ def main() -> None:
         compute = ", ".join(f"{1000 * t:.1f}" for t in r["iteration_s"])
         step = 1000 * r["wall_s"] / r["steps"]
         print(
-            f"{r['workload']} {r['factor']:g}x {r['strategy']}: {r['steps']} steps, fit wall per step {step:.1f} ms; "
+            f"{r['workload']} {r['factor']:g}x {r['strategy']}: {r['steps']} steps on rank 0, pushes by rank "
+            f"{r['pushes']}, fit wall per step {step:.1f} ms; "
             f"reply to next push by rank (compute + epoch-end waits) {compute} ms"
         )
     for factor in args.factors:

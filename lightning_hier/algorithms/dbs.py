@@ -295,6 +295,16 @@ class DynamicBatchSize:
         after = self.steps - self.warmup_steps
         return after > 0 and after % self.rebalance_every == 0 and self.last_rebalance_step != self.steps
 
+    def measure(self) -> dict[str, float]:
+        """End a rebalance period on this rank alone: fold its window into the speed estimate.
+
+        For a split decided elsewhere (a parameter server sizing each worker's claims from the
+        speeds the workers report, :class:`~lightning_hier.algorithms.claim_sampler.ServerShares`):
+        no communication. Returns this rank's ``samples_per_s``, ``compute_s`` and ``idle_s``.
+        """
+        self.last_rebalance_step = self.steps
+        return self.meter.close_window()
+
     def rebalance(self, align: int = 1) -> dict[str, Any]:
         """All-gather the throughputs and split the global batch in proportion (a collective).
 

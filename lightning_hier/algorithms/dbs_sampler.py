@@ -125,6 +125,14 @@ class Allocation:
         self._pending.append((sizes[self.rank], total))
         return sum(sizes[: self.rank]), sizes[self.rank]
 
+    def take_claimed(self, size: int) -> None:
+        """Count a batch of ``size`` samples that the server sized (a shared queue's claim, not a slice).
+
+        The training loop then consumes it as ``(size, B)``: its gradient weighs ``size / B``.
+        """
+        self.drawn += 1
+        self._pending.append((int(size), self.global_batch))
+
     def consume_share(self) -> tuple[int, int]:
         """This rank's samples in the batch the training loop is about to use, and the global batch's.
 
@@ -233,12 +241,17 @@ def dynamic_batch_loader(loader: DataLoader[Any], allocation: Allocation, seed: 
         return loader
     if isinstance(loader.dataset, IterableDataset):
         raise TypeError("DBS needs a map-style dataset (with __getitem__ and __len__), got an IterableDataset.")
-    shuffle, seed = _sampling_of(loader, seed)
-    drop_last = bool(loader.batch_sampler.drop_last)  # type: ignore[union-attr]  # a BatchSampler (_sampling_of)
+    shuffle, seed = sampling_of(loader, seed)
+    drop_last = bool(loader.batch_sampler.drop_last)  # type: ignore[union-attr]  # a BatchSampler (sampling_of)
     sampler = DynamicBatchSampler(len(loader.dataset), allocation, shuffle, seed, drop_last)  # type: ignore[arg-type]
+    return with_batch_sampler(loader, sampler)
+
+
+def with_batch_sampler(loader: DataLoader[Any], batch_sampler: Sampler[list[int]]) -> DataLoader[Any]:
+    """A DataLoader over ``loader``'s dataset with every option kept but its batching: ``batch_sampler``."""
     return DataLoader(
         loader.dataset,
-        batch_sampler=sampler,
+        batch_sampler=batch_sampler,
         num_workers=loader.num_workers,
         collate_fn=loader.collate_fn,
         pin_memory=loader.pin_memory,
@@ -253,10 +266,14 @@ def dynamic_batch_loader(loader: DataLoader[Any], allocation: Allocation, seed: 
     )
 
 
-def _sampling_of(loader: DataLoader[Any], seed: int) -> tuple[bool, int]:
-    """``(shuffle, seed)`` of an ordinary loader; a clear error for samplers DBS cannot reproduce."""
+def sampling_of(loader: DataLoader[Any], seed: int, owner: str = "DBS") -> tuple[bool, int]:
+    """``(shuffle, seed)`` of an ordinary loader; a clear error (naming ``owner``) for other samplers.
+
+    A strategy that chooses every rank's batches itself replaces the loader's sampler by one that
+    draws the same per-epoch order; only samplers whose order it can reproduce are accepted.
+    """
     custom = (
-        "DBS chooses every rank's batches itself, so it replaces the training DataLoader's sampler; "
+        f"{owner} chooses every rank's batches itself, so it replaces the training DataLoader's sampler; "
         "it cannot keep {}. Use an ordinary DataLoader(dataset, batch_size=..., shuffle=...)."
     )
     if type(loader.batch_sampler) is not BatchSampler:

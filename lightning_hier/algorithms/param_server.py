@@ -41,6 +41,8 @@ PULL = 1
 """Request kind: reply with the current consensus state (no payload)."""
 PUSH = 2
 """Request kind: a contribution to apply (a gradient for ASGD / n-softsync)."""
+CLAIM = 3
+"""Request kind: claim the next samples of an epoch from the shared queue (:class:`Claims`); no update."""
 
 
 @dataclass(frozen=True)
@@ -49,7 +51,7 @@ class Request:
 
     Attributes:
         worker: The sender's global rank.
-        kind: :data:`DONE`, :data:`PULL`, :data:`PUSH` or a handler's own kind (>= 16 is free).
+        kind: :data:`DONE`, :data:`PULL`, :data:`PUSH`, :data:`CLAIM` or a handler's own kind (>= 16 is free).
         payload: The tensors (views of a receive buffer on the server: copy what you keep).
         version: The server version of the state the worker last pulled.
         batch_size: Samples behind this contribution (0 when not applicable).
@@ -84,6 +86,19 @@ class ServerContext(Protocol):
 
     def applied(self, requests: Sequence[Request]) -> None:
         """Record one server update made of ``requests`` (counts, staleness) and advance the version."""
+
+
+class Claims(Protocol):
+    """The server's shared queue of samples (:class:`~lightning_hier.algorithms.claim_sampler.ClaimQueue`)."""
+
+    def answer(self, request: Request) -> tuple[Tensor, ...]:
+        """The reply to a :data:`CLAIM` request (never deferred)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """The queue's position (saved with the server's state)."""
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Inverse of :meth:`state_dict`."""
 
 
 class Handler(Protocol):
@@ -201,12 +216,15 @@ class ServerCore:
         workers: Global ranks of every worker that will send requests.
         trace: Keep ``(worker, staleness)`` of every applied contribution in :attr:`trace`, in
             order (tests and replays; it grows without bound).
+        claims: The shared queue that answers :data:`CLAIM` requests (``None``: they are an error).
 
     Raises:
         ValueError: ``workers`` is empty or has duplicates.
     """
 
-    def __init__(self, handler: Handler, workers: Sequence[int], trace: bool = False) -> None:
+    def __init__(
+        self, handler: Handler, workers: Sequence[int], trace: bool = False, claims: Claims | None = None
+    ) -> None:
         if not workers or len(set(workers)) != len(workers):
             raise ValueError(f"ServerCore: `workers` must be distinct ranks, at least one; got {list(workers)}.")
         self.handler = handler
@@ -216,6 +234,7 @@ class ServerCore:
         self.done: set[int] = set()
         self.waiting: set[int] = set()
         self.trace: list[tuple[int, int]] | None = [] if trace else None
+        self.claims = claims
 
     @property
     def finished(self) -> bool:
@@ -249,6 +268,10 @@ class ServerCore:
         if request.kind == DONE:
             self.done.add(w)
             return self._settle({})
+        if request.kind == CLAIM:  # answered at once, outside the update rule: no push, no version change
+            if self.claims is None:
+                raise ValueError(f"ServerCore: worker {w} claims samples, but this server has no shared queue.")
+            return {w: Reply(self.claims.answer(request), self.version)}
         if request.kind != PULL:
             ws = self.stats.workers[w]
             ws.pushes += 1
@@ -274,9 +297,14 @@ class ServerCore:
 
     def state_dict(self) -> dict[str, Any]:
         """Version, statistics and the handler's state (call between requests)."""
-        return {"version": self.version, "stats": self.stats.state_dict(), "handler": self.handler.state_dict()}
+        state = {"version": self.version, "stats": self.stats.state_dict(), "handler": self.handler.state_dict()}
+        if self.claims is not None:
+            state["claims"] = self.claims.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.version = int(state["version"])
         self.stats.load_state_dict(state["stats"])
         self.handler.load_state_dict(state["handler"])
+        if self.claims is not None and "claims" in state:
+            self.claims.load_state_dict(state["claims"])

@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_hier.algorithms.param_server import DONE, PULL, Reply, Request, ServerCore
+from lightning_hier.algorithms.param_server import CLAIM, DONE, PULL, Reply, Request, ServerCore
 from lightning_hier.comm.p2p import PeerError
 from lightning_hier.comm.ps_wire import recv_message, send_message
 
@@ -325,6 +325,17 @@ class Worker:
         self.requests += kind != PULL
         self.version = reply.version
         self._since = time.perf_counter()
+        return reply.tensors
+
+    def claim(self, payload: Sequence[Tensor]) -> tuple[Tensor, ...]:
+        """A :data:`~lightning_hier.algorithms.param_server.CLAIM` request; returns the reply's tensors.
+
+        Unlike :meth:`call`, a claim leaves the pulled version (the staleness of the next push
+        counts from the last pull, not from the claim) and the iteration clock alone.
+        """
+        request = Request(self.rank, CLAIM, tuple(payload), self.version)
+        reply = self.client.request(request)
+        assert reply is not None
         return reply.tensors
 
     def done(self) -> None:

@@ -242,7 +242,7 @@ class DBSShares(HierStrategy):
         # every rank raises the same error here, before any collective of the fit, so none hangs
         global_batch = self._check_training_loader(dataloader)
         allocation = self._build_shares().bind(global_batch)
-        return super().process_dataloader(dynamic_batch_loader(dataloader, allocation, seed=_global_seed()))
+        return super().process_dataloader(dynamic_batch_loader(dataloader, allocation, seed=global_seed()))
 
     # ------------------------------------------------------------------ per step
     @override
@@ -301,6 +301,6 @@ class _CheckedLauncher(_ReportingLauncher):
         return super().launch(function, *args, trainer=trainer, **kwargs)
 
 
-def _global_seed() -> int:
+def global_seed() -> int:
     # the seed Lightning gives its DistributedSampler: the same on every rank (seed_everything sets it)
     return int(os.environ.get("PL_GLOBAL_SEED", 0))

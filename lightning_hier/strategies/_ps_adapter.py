@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from lightning_hier.algorithms.claim_sampler import ClaimQueue, claim_payload
 from lightning_hier.algorithms.param_server import PUSH, Handler, ServerCore
 from lightning_hier.algorithms.ps_link import SERVER_RANK, ServerLink, require_worker, served_workers
 from lightning_hier.algorithms.ps_rules import FlatModel
@@ -81,6 +82,8 @@ class PSAdapter:
             blocked time (so DBS's speed measurement leaves it out).
         server: ``'rank0'`` (rank 0 serves and trains: every rank is a worker) or ``'dedicated'``
             (rank 0 only serves; see the module docstring).
+        claims: Builds the server's shared queue of samples on rank 0 (``None``: none; see
+            :meth:`claim`).
     """
 
     def __init__(
@@ -94,8 +97,10 @@ class PSAdapter:
         timeout: timedelta,
         stats: CommStats | None = None,
         server: str = "rank0",
+        claims: Callable[[], ClaimQueue] | None = None,
     ) -> None:
         self.module, self.optimizer = module, optimizer
+        self._claims = claims
         self.workers = served_workers(world, server)
         self.comm_stats = stats if stats is not None else CommStats()
         self.params = list(module.parameters())
@@ -121,7 +126,8 @@ class PSAdapter:
     def _build_core(self) -> ServerCore:
         if self._core is None:
             self._model = FlatModel(self.params, copy_optimizer(self.optimizer, self.module))
-            self._core = ServerCore(self._handler(self._model, len(self.workers)), self.workers)
+            claims = self._claims() if self._claims is not None else None
+            self._core = ServerCore(self._handler(self._model, len(self.workers)), self.workers, claims=claims)
             if self._restored is not None:
                 self._core.load_state_dict(self._restored)
                 self._restored = None
@@ -169,6 +175,21 @@ class PSAdapter:
         with self.comm_stats.blocked():
             reply = require_worker(self.link).call(PUSH, [flat.cpu()], batch_size=batch_size)[0]
         self._load(reply)
+
+    def claim(self, epoch: int, n: int, num_samples: int, speed: float = 0.0) -> tuple[int, int]:
+        """Claim the next ``n`` samples of ``epoch`` from the server's shared queue: ``(start, count)``.
+
+        Called by the training sampler (:class:`~lightning_hier.algorithms.claim_sampler.ClaimBatchSampler`)
+        when Lightning fetches a batch, which may be before the first training batch or after a
+        pause (validation, a checkpoint): the server is (re)started first. ``n = 0`` asks for this
+        rank's share, sized by the server from ``speed`` (samples/s; 0: not measured yet).
+        """
+        self.start()
+        worker = require_worker(self.link)  # type: ignore[arg-type]  # start() connected it
+        with self.comm_stats.blocked():
+            (reply,) = worker.claim([claim_payload(epoch, n, num_samples, speed)])
+        start, count = (int(x) for x in reply.tolist())
+        return start, count
 
     def keep_pace(self) -> None:
         """Rank 0 serving only: hand the server this step's learning rate, wait for the step, load.

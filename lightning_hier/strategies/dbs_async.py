@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 from typing_extensions import override
 
+from lightning_hier.algorithms.claim_sampler import ClaimQueue, ServerShares
+from lightning_hier.algorithms.ps_link import served_workers
 from lightning_hier.algorithms.ps_rules import AsgdHandler
 from lightning_hier.strategies._ps_adapter import HandlerFactory
 from lightning_hier.strategies.dbs import DBSStrategy
@@ -23,6 +25,7 @@ from lightning_hier.strategies.param_server import ParameterServerWorker
 if TYPE_CHECKING:
     import lightning.pytorch as pl
     from torch.optim import Optimizer
+    from torch.utils.data import DataLoader
 
 
 class AsyncDBSStrategy(ParameterServerWorker, DBSStrategy):
@@ -42,6 +45,21 @@ class AsyncDBSStrategy(ParameterServerWorker, DBSStrategy):
     :class:`~lightning_hier.strategies.dbs.DBSStrategy`'s (``sync_buffers`` and ``bucket_size_mb``
     have no effect: nothing is all-reduced, and BatchNorm statistics are rank 0's).
 
+    With ``sampler='shared'`` the workers run freely, as in the paper: each claims its next batch
+    from a queue on the server (see :class:`~lightning_hier.strategies.param_server.AsgdStrategy`),
+    and the server sizes every claim: each worker reports its smoothed measured speed with its
+    claims, and the server splits the global batch ``B`` in proportion to the latest speeds
+    (:class:`~lightning_hier.algorithms.claim_sampler.ServerShares`, the same split as the
+    all-gather's), so no all-gather ties the workers together every ``rebalance_every`` steps; a
+    worker folds its measurements into its estimate every ``rebalance_every`` of its own steps.
+    Its gradient weighs ``W * b / B`` for a claim of ``b`` samples. ``dbs/...`` rebalance metrics
+    are not logged then; the server's ``ps/worker{w}/batch_size`` are.
+
+    Args:
+        sampler: ``'split'`` (default; the DBS sampler: every rank the same number of steps) or
+            ``'shared'`` (above).
+        **kwargs: See :class:`~lightning_hier.strategies.dbs.DBSStrategy`.
+
     Example:
         >>> import lightning.pytorch as pl
         >>> import lightning_hier  # registers the names
@@ -49,6 +67,11 @@ class AsyncDBSStrategy(ParameterServerWorker, DBSStrategy):
     """
 
     strategy_name = "dbs_async"
+    _claim_batch = 0
+
+    def __init__(self, sampler: str = "split", **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._init_server(self.server, sampler)
 
     @override
     def _handler(self) -> HandlerFactory:
@@ -63,6 +86,30 @@ class AsyncDBSStrategy(ParameterServerWorker, DBSStrategy):
     def _clock(self) -> str:
         # every rank reads the same clock, so speeds compare; rank 0's server threads are left out
         return "thread" if self.timer == "cpu" else self.timer
+
+    @override
+    def _claim_size(self, loader: DataLoader[Any]) -> tuple[int, Callable[[int], None] | None]:
+        allocation = self._build_shares().bind(self._check_training_loader(loader))
+        self._claim_batch = allocation.global_batch
+        return 0, allocation.take_claimed  # 0: the server sizes each claim
+
+    @override
+    def _claim_speed(self) -> float:
+        return self.shares.meter.estimate if self.shares is not None else 0.0
+
+    @override
+    def _claim_queue(self) -> ClaimQueue:
+        workers = served_workers(self.world_size, self.server)
+        shares = ServerShares(self._claim_batch, workers, self.min_batch_size, self.max_batch_size, self.initial_sizes)
+        return ClaimQueue(shares)
+
+    @override
+    def rebalance_if_due(self) -> dict[str, Any] | None:
+        if self.sampler != "shared":
+            return super().rebalance_if_due()
+        if self.shares is not None and self.shares.due():
+            self.shares.measure()  # the new estimate goes to the server with the next claims
+        return None
 
     @override
     def _setup_algorithm(self, trainer: pl.Trainer) -> None:

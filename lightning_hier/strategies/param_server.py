@@ -22,13 +22,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.data import extract_batch_size
+from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_hier import _validate as v
+from lightning_hier.algorithms.claim_sampler import ClaimQueue, claim_batch_loader
 from lightning_hier.algorithms.ps_link import SERVERS, served_workers
 from lightning_hier.algorithms.ps_rules import AsgdHandler, SoftsyncHandler
 from lightning_hier.strategies._base import HierStrategy
+from lightning_hier.strategies._dbs_shares import global_seed
 from lightning_hier.strategies._ps_adapter import HandlerFactory, PSAdapter
+from lightning_hier.strategies._shared_queue import SAMPLERS, check_shared_trainer
 from lightning_hier.strategies._step_sync import local_sigterm_check
 
 if TYPE_CHECKING:
@@ -49,12 +53,27 @@ class ParameterServerWorker(HierStrategy):
 
     ps: PSAdapter | None = None
     server: str = "rank0"
+    sampler: str = "split"
     _service_group: Any = None
     _batch_samples = 0
 
-    def _init_server(self, server: str) -> None:
-        """Check and keep the ``server`` argument (``'rank0'`` or ``'dedicated'``)."""
-        self.server = v.check_choice(type(self).__name__, "server", server, SERVERS)
+    def _init_server(self, server: str, sampler: str = "split") -> None:
+        """Check and keep the ``server`` (``'rank0'`` or ``'dedicated'``) and ``sampler`` arguments."""
+        owner = type(self).__name__
+        self.server = v.check_choice(owner, "server", server, SERVERS)
+        self.sampler = v.check_choice(owner, "sampler", sampler, SAMPLERS)
+        if self.sampler == "shared" and self.server == "dedicated":
+            raise ValueError(
+                f"{owner}: argument `sampler`='shared' needs every rank to train (each claims its own batches), "
+                "but server='dedicated' makes rank 0 only serve, in step with the workers; use server='rank0' "
+                "or sampler='split'."
+            )
+
+    @property
+    def _training_stage(self) -> bool:
+        module = self.lightning_module
+        trainer = module._trainer if module is not None else None
+        return trainer is not None and trainer.state.stage == RunningStage.TRAINING
 
     @property
     def num_workers(self) -> int:
@@ -84,10 +103,7 @@ class ParameterServerWorker(HierStrategy):
         Rank 0 then runs ``training_step`` without gradients on the first worker's batches (for its
         logs only), so every training sample is learnt from exactly once. Other stages: every rank.
         """
-        module = self.lightning_module
-        trainer = module._trainer if module is not None else None
-        training = trainer is not None and trainer.state.stage == RunningStage.TRAINING
-        if self.server != "dedicated" or not training:
+        if self.server != "dedicated" or not self._training_stage:
             return super().distributed_sampler_kwargs
         return {"num_replicas": self.num_workers, "rank": max(self.global_rank - 1, 0)}
 
@@ -112,9 +128,48 @@ class ParameterServerWorker(HierStrategy):
         """Factor of this rank's gradient before it is pushed."""
         return 1.0
 
+    # ------------------------------------------------------------------ sampler='shared'
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """With ``sampler='shared'``, the training loader claims its batches from the server's queue."""
+        if self.sampler != "shared" or not self._training_stage:
+            return super().process_dataloader(dataloader)
+        owner = type(self).__name__
+        if not isinstance(dataloader, DataLoader):
+            raise TypeError(f"{owner}: sampler='shared' needs a torch DataLoader, got {type(dataloader).__name__}.")
+        batch_size, on_batch = self._claim_size(dataloader)
+        loader = claim_batch_loader(dataloader, batch_size, self._claim, global_seed(), owner, on_batch)
+        # past any other batching of the bases (DBS's sampler): only the resumable-position wrapping
+        return HierStrategy.process_dataloader(self, loader)
+
+    def _claim_size(self, loader: DataLoader[Any]) -> tuple[int, Callable[[int], None] | None]:
+        """Samples each claim asks for (0: the server's share) and a hook told every batch's size."""
+        if loader.batch_size is None:
+            raise ValueError(
+                f"{type(self).__name__}: sampler='shared' claims batch_size samples at a time, but the training "
+                "DataLoader has none (a custom batch sampler); use DataLoader(dataset, batch_size=...)."
+            )
+        return loader.batch_size, None
+
+    def _claim_speed(self) -> float:
+        """This rank's measured speed, sent with each claim (0: none; only DBS sizes claims by it)."""
+        return 0.0
+
+    def _claim(self, epoch: int, n: int, num_samples: int) -> tuple[int, int]:
+        ps = self.ps  # looked up at each claim: the loader may be built before the server (an LR schedule)
+        if ps is None:
+            raise RuntimeError(f"{type(self).__name__}: a training batch was fetched before set-up.")
+        return ps.claim(epoch, n, num_samples, self._claim_speed())
+
+    def _claim_queue(self) -> ClaimQueue:
+        """The server's shared queue (built on rank 0 when the server starts)."""
+        return ClaimQueue()
+
     @override
     def _setup_algorithm(self, trainer: pl.Trainer) -> None:
         local_sigterm_check(trainer)  # else Lightning's per-step broadcast keeps the workers in lock-step
+        if self.sampler == "shared":  # every rank raises the same error, before any claim
+            check_shared_trainer(type(self).__name__, trainer)
         optimizer = self._require_single_optimizer()
         if self._service_group is None:  # a collective: every rank sets up together, once
             self._service_group = self.topology.build_service_group(self._timeout)
@@ -129,6 +184,7 @@ class ParameterServerWorker(HierStrategy):
             self._timeout,
             self.comm_stats,
             self.server,
+            self._claim_queue if self.sampler == "shared" else None,
         )
 
     @override
@@ -230,6 +286,20 @@ class AsgdStrategy(ParameterServerWorker):
             checkpoints and every rank's module after fit hold the server's model, as with
             ``'rank0'``. With a user's own sharding (``use_distributed_sampler=False``) rank 0's
             loader still sets the number of steps.
+        sampler: Where each rank's training batches come from. ``'split'`` (default): Lightning's
+            ``DistributedSampler`` shard, ``N / W`` samples per rank and epoch, so every rank takes
+            the same number of steps and a fast worker waits for the slow one at each epoch's end.
+            ``'shared'``: every rank claims its next batch from a queue on the server (one cursor
+            per epoch over the same per-epoch permutation), so every sample of an epoch is trained
+            once across the ranks and a fast worker takes more steps, as in the papers'
+            parameter servers (:mod:`lightning_hier.algorithms.claim_sampler`). The training loader
+            then has no length: ``val_check_interval`` must be ``1.0``, ``limit_train_batches`` an
+            int or ``1.0``, ``max_steps`` unset (stop by ``max_epochs``), no ``ModelCheckpoint``
+            may save every ``n`` steps and no ``max_time`` is checked per step (rejected when fit
+            starts). A module that logs per step with ``sync_dist=True`` would hang (the ranks log
+            a different number of times): log per step without it. Needs ``server='rank0'``. A
+            mid-epoch checkpoint loses the batches claimed ahead of training (at most the
+            fetcher's look-ahead per rank).
         **kwargs: See :class:`~lightning_hier.strategies._base.HierStrategy` (``timeout``: also the
             longest a worker may stay silent between two requests).
 
@@ -241,10 +311,12 @@ class AsgdStrategy(ParameterServerWorker):
 
     strategy_name = "asgd"
 
-    def __init__(self, staleness_lr: bool = False, server: str = "rank0", **kwargs: Any) -> None:
+    def __init__(
+        self, staleness_lr: bool = False, server: str = "rank0", sampler: str = "split", **kwargs: Any
+    ) -> None:
         super().__init__(**kwargs)
         self.staleness_lr = v.check_bool(type(self).__name__, "staleness_lr", staleness_lr)
-        self._init_server(server)
+        self._init_server(server, sampler)
 
     @override
     def _handler(self) -> HandlerFactory:
@@ -263,17 +335,28 @@ class SoftsyncStrategy(ParameterServerWorker):
             with a dedicated server; checked when fit starts, before any rank does).
         staleness_lr: Divide an update's learning rate by its gradients' mean staleness when > 1.
         server: ``'rank0'`` or ``'dedicated'``, as for :class:`AsgdStrategy`.
+        sampler: ``'split'`` or ``'shared'``, as for :class:`AsgdStrategy`; ``'shared'`` needs ``n >= 2``
+            (with ``n = 1`` a worker's reply waits for a gradient of every worker, which a worker
+            whose epoch ended early never sends).
         **kwargs: See :class:`~lightning_hier.strategies._base.HierStrategy`.
     """
 
     strategy_name = "softsync"
 
-    def __init__(self, n: int = 1, staleness_lr: bool = False, server: str = "rank0", **kwargs: Any) -> None:
+    def __init__(
+        self, n: int = 1, staleness_lr: bool = False, server: str = "rank0", sampler: str = "split", **kwargs: Any
+    ) -> None:
         super().__init__(**kwargs)
         owner = type(self).__name__
         self.n = v.check_int(owner, "n", n, minimum=1)
         self.staleness_lr = v.check_bool(owner, "staleness_lr", staleness_lr)
-        self._init_server(server)
+        self._init_server(server, sampler)
+        if self.sampler == "shared" and self.n == 1:
+            raise ValueError(
+                f"{owner}: argument `n`=1 (synchronous) cannot run with sampler='shared': each reply waits for a "
+                "gradient of every worker, and with a shared queue the workers' epochs end after different "
+                "numbers of steps; use n >= 2 or sampler='split'."
+            )
 
     @override
     def _configure_launcher(self) -> None:

@@ -6,8 +6,9 @@ from benchmarks.studies.dbs_async import STRATEGIES, _work
 from lightning_hier.testing import run_workers
 
 
-def test_study_fits_each_strategy_and_reads_staleness_and_accuracy_at_equal_wall_time():
-    rows = run_workers(_work, ["digits"], [2.0], 0, "", "", devices=3, timeout=120)[0]
+@pytest.mark.parametrize("sampler", ["split", "shared"])
+def test_study_fits_each_strategy_and_reads_staleness_and_accuracy_at_equal_wall_time(sampler):
+    rows = run_workers(_work, ["digits"], [2.0], 0, "", "", "spin", None, sampler, devices=3, timeout=120)[0]
     assert [r["strategy"] for r in rows] == list(STRATEGIES)
     equal = min(r["wall_s"] for r in rows)
     for r in rows:
@@ -15,5 +16,6 @@ def test_study_fits_each_strategy_and_reads_staleness_and_accuracy_at_equal_wall
         assert r["staleness_max"] >= r["staleness_mean"] >= 0.0
         assert r["staleness_max"] >= max(r["staleness_by_worker"])
         assert r["staleness_worker_mean"] == pytest.approx(sum(r["staleness_by_worker"]) / 3)
+        assert len(r["pushes"]) == 3 and min(r["pushes"]) > 0
     dbs = rows[0]
-    assert sum(dbs["sizes"]) == 48 and len(dbs["speeds"]) == 3  # rebalanced at least once
+    assert sum(dbs["sizes"]) == 48 and len(dbs["speeds"]) == 3  # rebalanced at least once (by the server if shared)
