@@ -25,6 +25,7 @@
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -62,9 +63,22 @@ def copy_optimizer(optimizer: Optimizer, module: nn.Module) -> Callable[[list[nn
             {**{k: v for k, v in g.items() if k != "params"}, "params": [params[index[id(p)]] for p in g["params"]]}
             for g in optimizer.param_groups
         ]
-        return type(optimizer)(groups, **optimizer.defaults)
+        return type(optimizer)(groups, **_constructor_defaults(optimizer))
 
     return build
+
+
+def _constructor_defaults(optimizer: Optimizer) -> dict[str, Any]:
+    """The optimizer's defaults that its constructor takes back.
+
+    ``defaults`` can hold keys the class sets itself: torch's ``AdamW`` stores
+    ``decoupled_weight_decay=True`` there but does not accept it as an argument. Every parameter
+    group already carries every hyperparameter, so leaving such a key out changes nothing.
+    """
+    signature = inspect.signature(type(optimizer).__init__)
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values()):
+        return dict(optimizer.defaults)
+    return {k: v for k, v in optimizer.defaults.items() if k in signature.parameters}
 
 
 class PSAdapter:

@@ -4,7 +4,8 @@ A user sets ``strategy="..."`` in an existing project: Lightning's own ``BoringM
 ``nn.Linear`` in ``self.layer``, dict outputs, bare-tensor batches), a module with its network
 in ``self.model`` and no ``forward``, and a classifier with ``(x, y)`` batches and Nesterov SGD
 must train under every name with the fork launcher, and every rank must hold the same whole model
-when user ``on_train_end`` hooks run (a collective inside such a hook must work too).
+when user ``on_train_end`` hooks run (a collective inside such a hook must work too). The
+parameter-server strategies, which copy the user's optimizer onto the server, also train with AdamW.
 """
 
 from __future__ import annotations
@@ -74,3 +75,22 @@ def test_async_grawa_trains_a_users_module_at_default_arguments(variant, module)
     t.fit(model)
     after = flat_params(model)
     assert after.shape == before.shape and torch.isfinite(after).all() and not torch.equal(after, before)
+
+
+class _AdamWModule(UserModule):
+    """The user's module with AdamW, whose ``defaults`` hold a key its constructor does not take."""
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3, weight_decay=0.01)
+
+
+@pytest.mark.parametrize("name", ["asgd", "softsync", "dbs_async"])
+def test_parameter_server_strategies_train_a_users_module_with_adamw(name):
+    """The server holds a copy of the user's optimizer: AdamW's must build (it failed before)."""
+    torch.manual_seed(0)
+    model = _AdamWModule()
+    before = flat_params(model)
+    t = trainer(strategy=f"{name}_fork", max_epochs=1, limit_val_batches=0, callbacks=[SameWeightsOnEveryRank()])
+    t.fit(model)
+    after = flat_params(model)
+    assert torch.isfinite(after).all() and not torch.equal(after, before)

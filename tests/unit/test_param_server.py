@@ -149,3 +149,33 @@ def test_state_dict_round_trip():
     rb = b.serve(_push(0, [0.5, 0.5, 0.5], 3))[0]
     assert torch.equal(ra.tensors[0], rb.tensors[0]) and ra.version == rb.version == 4
     assert a.stats.histogram == b.stats.histogram
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-4),
+        lambda ps: torch.optim.Adam(ps, lr=1e-3, betas=(0.8, 0.9)),
+        lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.05),
+        lambda ps: torch.optim.NAdam(ps, lr=2e-3, decoupled_weight_decay=True),
+        lambda ps: torch.optim.RAdam(ps, lr=2e-3),
+        lambda ps: torch.optim.RMSprop(ps, lr=1e-2, momentum=0.5),
+        lambda ps: torch.optim.Adagrad(ps, lr=1e-2),
+    ],
+    ids=["sgd-nesterov", "adam", "adamw", "nadam", "radam", "rmsprop", "adagrad"],
+)
+def test_the_servers_copy_of_the_users_optimizer_has_its_class_and_hyperparameters(make):
+    from lightning_hier.strategies._ps_adapter import copy_optimizer
+
+    module = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1))
+    first, second = list(module[0].parameters()), list(module[1].parameters())
+    user = make([{"params": first}, {"params": second, "lr": 5e-4}])
+    server_params = [torch.nn.Parameter(p.detach().clone()) for p in module.parameters()]
+    copy = copy_optimizer(user, module)(server_params)
+    assert type(copy) is type(user)
+    for mine, theirs in zip(copy.param_groups, user.param_groups, strict=True):
+        assert {k: v for k, v in mine.items() if k != "params"} == {k: v for k, v in theirs.items() if k != "params"}
+    assert [[id(p) for p in g["params"]] for g in copy.param_groups] == [
+        [id(p) for p in server_params[:2]],
+        [id(p) for p in server_params[2:]],
+    ]
