@@ -150,21 +150,32 @@ def _error(predicted: float, measured: float | None) -> str:
     return f"{100 * (predicted - measured) / measured:+.0f}%"
 
 
+def _queued(run: dict[str, Any]) -> str:
+    """The share of the run its training threads waited for their cores (load; ``-``: not recorded)."""
+    share = run.get("queued_share")
+    return "-" if share is None else f"{100 * share:.0f}%"
+
+
 def predicted_table(result: dict[str, Any], world: int) -> str:
-    """Markdown: measured and predicted samples/s, MB/epoch/rank and payload per run, with the errors."""
+    """Markdown: measured and predicted samples/s, MB/epoch/rank and payload per run, with the errors.
+
+    The last column is the share of each run that its ranks' training threads spent runnable but
+    waiting for their cores (other processes held them): the calibration assumes the ``no-comm``
+    run's share of the cores, so a run under more load than its calibration is slower than predicted.
+    """
     overhead = _fixed_bytes_per_epoch(result["runs"].get(NO_COMM, {}))
     lines = [
         "| run | samples/s | predicted | error | MB/epoch/rank | predicted | error | payload MB/rank | predicted "
-        "| error |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| error | queued |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for label, run in result["runs"].items():
         p = predict_run(label, run, result, world)
         if p is None:
-            lines.append(f"| {label} | {run.get('samples_per_s', math.nan):.0f} |" + " - |" * 8)
+            lines.append(f"| {label} | {run.get('samples_per_s', math.nan):.0f} |" + " - |" * 8 + f" {_queued(run)} |")
             continue
         if label == NO_COMM:  # the calibration run itself
-            lines.append(f"| {label} | {run['samples_per_s']:.0f} | calibration |" + " - |" * 7)
+            lines.append(f"| {label} | {run['samples_per_s']:.0f} | calibration |" + " - |" * 7 + f" {_queued(run)} |")
             continue
         validation, validation_wire = _validation_bytes(p, run)
         wire = (p.wire_bytes_per_epoch + validation_wire) * (1 + HEADERS) + overhead
@@ -175,7 +186,7 @@ def predicted_table(result: dict[str, Any], world: int) -> str:
             f"| {label} | {rate:.0f} | {p.samples_per_s:.0f} | {_error(p.samples_per_s, rate)} "
             f"| {run['bytes_per_epoch'] / 1e6:.1f} | {wire / 1e6:.1f} | {_error(wire, run['bytes_per_epoch'])} "
             f"| {'-' if measured_payload is None else f'{measured_payload / 1e6:.1f}'} | {payload / 1e6:.1f} "
-            f"| {_error(payload, measured_payload)} |"
+            f"| {_error(payload, measured_payload)} | {_queued(run)} |"
         )
     return "\n".join(lines)
 
