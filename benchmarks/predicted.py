@@ -19,6 +19,9 @@ Calibration, all from the same invocation (nothing is fitted to the run being pr
   each synchronisation; results recorded before it was measured predict with none;
 - :data:`CPU_S_PER_BYTE`: gloo's reduction and copies on the rank's one core, fitted once on
   ``hpsgd_mlp`` (HPSGD, window 4, 1 Gbit/s) and kept for every run;
+- DBS (``dbs``, ``dbs_async``) over the run's fit: its first ``warmup_steps + rebalance_every``
+  steps keep the initial (equal) batch sizes, the rest the speed-proportional shares
+  (:func:`_with_warmup`; a short benchmark run spends half its steps before the first rebalance);
 - bytes per epoch: the model's wire bytes plus :data:`HEADERS` (TCP/IP framing), plus the
   ``no-comm`` run's bytes per epoch that were not its validation consensus (rendezvous store,
   metric syncs), plus the consensus each epoch's validation needs (:func:`_validation_bytes`:
@@ -37,6 +40,7 @@ import argparse
 import inspect
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -108,7 +112,31 @@ def predict_run(label: str, run: dict[str, Any], result: dict[str, Any], world: 
     if workload is None:
         return None
     args = {} if strategy == "no-comm" else _arguments(strategy, run.get("strategy_config"))
-    return predict(strategy, workload, cluster, **args)
+    steady = predict(strategy, workload, cluster, **args)
+    return _with_warmup(steady, workload, cluster, run) if strategy in REBALANCED else steady
+
+
+REBALANCED = ("dbs", "dbs_async")
+"""DBS's strategies: their first ``warmup_steps + rebalance_every`` steps keep the initial batch sizes."""
+
+
+def _with_warmup(steady: Prediction, workload: Workload, cluster: Cluster, run: dict[str, Any]) -> Prediction:
+    """DBS over the run's whole fit: its first steps at the initial sizes, the rest at the steady shares.
+
+    DBS measures nothing in its first ``warmup_steps`` steps and rebalances first after
+    ``warmup_steps + rebalance_every``; until then every worker keeps its initial size (equal,
+    unless ``initial_sizes`` is given). A short run spends much of its fit there: 25 of 48 steps.
+    The fit's mean step is the step-weighted mean of the two predictions (closed form).
+    """
+    config = run.get("strategy_config") or {}
+    early = int(config.get("warmup_steps", 5)) + int(config.get("rebalance_every", 20))
+    steps = int(run["steps"])
+    sizes = config.get("initial_sizes") or [workload.batch_size] * cluster.workers
+    initial = predict(steady.strategy, workload, cluster, **steady.args, shares=sizes)
+    n = min(early, steps)
+    step_s = (n * initial.step_s + (steps - n) * steady.step_s) / steps
+    detail = {**steady.detail, "initial_steps": n, "initial_step_s": initial.step_s, "steady_step_s": steady.step_s}
+    return replace(steady, step_s=step_s, detail=detail)
 
 
 def _fixed_bytes_per_epoch(reference: dict[str, Any]) -> float:

@@ -51,7 +51,7 @@ from lightning_hier.planner.cost import Layer, network_cost
 from lightning_hier.simulator.collectives import NONE, Comm, all_reduce, broadcast, overlapped, p2p
 from lightning_hier.simulator.inputs import Cluster, Workload, split_blocks
 from lightning_hier.simulator.jitter import sync_wait
-from lightning_hier.simulator.prediction import FLOAT64, Prediction, compute_s, steps_per_epoch
+from lightning_hier.simulator.prediction import FLOAT64, Prediction, batch_shares, compute_s, steps_per_epoch
 
 MiB = 2**20
 
@@ -251,12 +251,21 @@ def lgrawa(
     return _grawa("lgrawa", workload, cluster, tau, sync_buffers, probe, rounds, workload.tensors)
 
 
-def dbs(workload: Workload, cluster: Cluster, rebalance_every: int = 20, sync_buffers: bool = True) -> Prediction:
-    """DBS: shares of the global batch proportional to speed, then a blocking gradient all-reduce."""
-    p, speeds = cluster.workers, cluster.speed_list
-    total = workload.batch_size * p
-    shares = [total * s / sum(speeds) for s in speeds]
+def dbs(
+    workload: Workload,
+    cluster: Cluster,
+    rebalance_every: int = 20,
+    sync_buffers: bool = True,
+    shares: Sequence[float] | None = None,
+) -> Prediction:
+    """DBS: shares of the global batch proportional to speed, then a blocking gradient all-reduce.
+
+    ``shares`` fixes the per-worker batches instead (DBS before its first rebalance keeps its
+    initial sizes, equal by default: :func:`~.prediction.batch_shares`).
+    """
+    shares = batch_shares(workload, cluster, shares)
     work = compute_s(workload, cluster, shares)
+    p = cluster.workers
     grads = all_reduce(workload.param_bytes + _buffer_bytes(workload, sync_buffers), p, cluster)
     table = all_reduce(p * 4 * FLOAT64, p, cluster).times(1 / rebalance_every)
     prediction = _sync("dbs", workload, cluster, {"rebalance_every": rebalance_every}, 1, work, grads + table)

@@ -77,3 +77,27 @@ def test_the_table_prints_each_runs_share_of_time_queued_for_its_core():
     result["runs"]["ddp"]["queued_share"] = 0.314
     rows = {line.split(" | ")[0].lstrip("| "): line for line in predicted_table(result, world=2).splitlines()[2:]}
     assert rows["ddp"].endswith("| 31% |") and rows["localsgd"].endswith("| - |")
+
+
+def _dbs_result(steps: int) -> dict:
+    """A 2-rank DBS run with rank 1 at half speed, ``steps`` steps of 128 samples per rank."""
+    model = {"parameters": 545_194, "float_buffers": 192, "tensors": 10}
+    run = {"steps": steps, "epochs": 1, "samples": steps * 256, "train_s": steps * 0.5, "model": model}
+    config = {"rebalance_every": 20, "warmup_steps": 5, "initial_sizes": None}
+    return {
+        "link": "unlimited",
+        "straggler": {"ranks": [1], "factor": 2.0},
+        "runs": {"no-comm": dict(run), "dbs": {**run, "strategy": "dbs", "strategy_config": config}},
+    }
+
+
+def test_dbs_keeps_equal_sizes_until_its_first_rebalance():
+    """DBS rebalances first after warmup_steps + rebalance_every = 25 steps: a 48-step fit runs 25
+    at equal sizes (paced by the straggler) and 23 at the speed-proportional shares."""
+    short, long = _dbs_result(20), _dbs_result(48)
+    before = predict_run("dbs", short["runs"]["dbs"], short, world=2)
+    fit = predict_run("dbs", long["runs"]["dbs"], long, world=2)
+    assert before is not None and fit is not None
+    assert before.step_s == pytest.approx(before.detail["initial_step_s"])  # never rebalanced
+    initial, steady = fit.detail["initial_step_s"], fit.detail["steady_step_s"]
+    assert steady < initial and fit.step_s == pytest.approx((25 * initial + 23 * steady) / 48)

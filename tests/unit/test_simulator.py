@@ -109,6 +109,11 @@ def test_one_straggler_paces_synchronous_steps_and_dbs_rebalances_it():
     dbs = predict("dbs", w, c)
     assert dbs.step_s == pytest.approx(4 * 32 * 3e-3 / (3 + 1 / factor))
     assert dbs.detail["shares"][-1] == pytest.approx(128 / (3 + 1 / factor) / factor)
+    # before its first rebalance DBS keeps equal sizes: the straggler paces it as it paces DDP
+    equal = predict("dbs", w, c, shares=[32] * 4)
+    assert equal.step_s == pytest.approx(factor * t) and equal.detail["shares"] == [32.0] * 4
+    with pytest.raises(ValueError, match=r"dbs: `shares` must be 4 positive batch sizes .* got \[32, 32\]"):
+        predict("dbs", w, c, shares=[32, 32])
 
 
 def test_averaging_bytes_per_round():
