@@ -29,9 +29,11 @@ Calibration, all from the same invocation (nothing is fitted to the run being pr
   rounds and the parameter-server strategies always); the payload column (what ``CommStats``
   counted over the fit) includes that consensus where ``CommStats`` counts it.
 
-Runs the model does not cover in the report print ``-``: DDP's communication-hook peers, and the
-pipeline and grid runs (they need per-block costs or the layer list; use
-``python -m lightning_hier.simulator``).
+The pipeline and the grid need the network's structure: per-block costs (their shares from the
+simulator's preset of the same network, found by its tensor sizes, rescaled to the calibrated
+compute) and the layer list (built from the preset's model spec). The pipeline's prediction covers
+its epoch, drain included (:func:`_with_drain`). Runs the model does not cover print ``-``: DDP's
+communication-hook peers, and pipeline or grid runs of a network without a preset.
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ from pathlib import Path
 from typing import Any
 
 from lightning_hier.simulator import Cluster, Prediction, Workload, all_reduce, one_straggler, parse_link, predict
+from lightning_hier.simulator.__main__ import PRESETS, workload_layers
+from lightning_hier.simulator.inputs import Block
 from lightning_hier.simulator.registry import MODELS
 
 EFFICIENCY = 0.944
@@ -52,7 +56,6 @@ UNLIMITED_BITS = 7.9e9
 CPU_S_PER_BYTE = 3e-9
 HEADERS = 0.002  # TCP/IP headers: veth offloads segmentation, so segments are ~64 KB
 NO_COMM = "no-comm"
-UNMODELLED = ("decoupled", "grid2d")
 
 
 def _cluster(link: str, world: int, straggler: dict[str, Any] | None, jitter_s: float) -> Cluster:
@@ -71,13 +74,33 @@ def _reference_rounds_s(reference: dict[str, Any], cluster: Cluster) -> float:
 
 
 def _workload(
-    name: str, run: dict[str, Any], reference: dict[str, Any], world: int, factor: float, rounds_s: float
+    name: str,
+    run: dict[str, Any],
+    reference: dict[str, Any],
+    world: int,
+    factor: float,
+    rounds_s: float,
+    replicas: int | None = None,
 ) -> Workload | None:
+    """The run's workload, its compute calibrated per sample on the ``no-comm`` run.
+
+    ``replicas``: data-parallel replicas of the run (the pipeline's: ranks / stages; default all
+    ranks), which sets its per-replica batch. Blocks (the pipeline's per-block costs) and the model's
+    spec (the grid's layer list) come from the simulator's preset of the same network
+    (:func:`_preset`), the blocks' times rescaled to the calibrated per-sample time.
+    """
     model = run.get("model") or reference.get("model") or {}
     if not model.get("parameters") or not run.get("steps") or not reference.get("steps"):
         return None
-    batch = round(run["samples"] / run["steps"] / world)
-    sample_s = (reference["train_s"] - rounds_s) / reference["steps"] / factor / batch
+    batch = round(run["samples"] / run["steps"] / (replicas or world))
+    reference_batch = reference["samples"] / reference["steps"] / world
+    sample_s = (reference["train_s"] - rounds_s) / reference["steps"] / factor / reference_batch
+    tensor_words = tuple(int(n) for n in model.get("tensor_words") or ())
+    preset = _preset(tensor_words)
+    blocks: tuple[Block, ...] = ()
+    if preset is not None and preset.blocks:
+        scale = sample_s / preset.sample_s
+        blocks = tuple(replace(b, compute_s=b.compute_s * scale) for b in preset.blocks)
     return Workload(
         name,
         params=int(model["parameters"]),
@@ -87,8 +110,32 @@ def _workload(
         backward_s=2 * sample_s / 3,
         buffers=int(model.get("float_buffers") or 0),
         tensors=int(model.get("tensors") or 1),
-        tensor_words=tuple(int(n) for n in model.get("tensor_words") or ()),
+        tensor_words=tensor_words,
+        blocks=blocks,
+        model=preset.model if preset is not None else None,
     )
+
+
+def _preset(tensor_words: tuple[int, ...]) -> Workload | None:
+    """The simulator's preset of the same network: the one with exactly these tensor sizes (None: none)."""
+    if not tensor_words:
+        return None
+    presets = (Workload.load(path) for path in sorted(PRESETS.glob("*.json")))
+    return next((w for w in presets if w.tensor_words == tensor_words), None)
+
+
+def _structure_args(strategy: str, config: dict[str, Any], workload: Workload, world: int) -> dict[str, Any] | None:
+    """The pipeline's stages and the grid's shape and layer list (None: the run cannot be predicted)."""
+    if strategy == "decoupled":
+        stages = config.get("stages", "auto")
+        # `auto` picks one stage per rank of a node; the benchmark's nodes are one rank each, up to the world
+        pipe = int(stages) if isinstance(stages, int) else world
+        return {"pipe": pipe} if workload.blocks else None
+    if strategy == "grid2d":
+        layers = workload_layers(workload)
+        grid = config.get("grid")
+        return {"layers": layers, "grid": tuple(grid) if isinstance(grid, list) else None} if layers else None
+    return {}
 
 
 def _arguments(strategy: str, config: dict[str, Any] | None) -> dict[str, Any]:
@@ -100,7 +147,7 @@ def predict_run(label: str, run: dict[str, Any], result: dict[str, Any], world: 
     """The simulator's prediction of one measured run (None: not modelled, or no calibration)."""
     reference = result["runs"].get(NO_COMM)
     strategy = "no-comm" if label == NO_COMM else run.get("strategy", "")
-    if reference is None or "error" in reference or "error" in run or strategy not in MODELS or strategy in UNMODELLED:
+    if reference is None or "error" in reference or "error" in run or strategy not in MODELS:
         return None
     if int(run.get("ranks", world)) != world:  # a run on part of the cluster (the single-process baseline)
         return None
@@ -108,12 +155,28 @@ def predict_run(label: str, run: dict[str, Any], result: dict[str, Any], world: 
     factor = float(straggler["factor"]) if straggler else 1.0
     jitter = float(reference.get("step_jitter_s") or 0.0) / factor
     cluster = _cluster(str(result.get("link", "1gbit")), world, straggler, jitter)
-    workload = _workload(label, run, reference, world, factor, _reference_rounds_s(reference, cluster))
+    config = run.get("strategy_config") or {}
+    stages = config.get("stages") if strategy == "decoupled" else 1
+    replicas = world // (int(stages) if isinstance(stages, int) else world)
+    workload = _workload(label, run, reference, world, factor, _reference_rounds_s(reference, cluster), replicas)
     if workload is None:
         return None
-    args = {} if strategy == "no-comm" else _arguments(strategy, run.get("strategy_config"))
+    structure = _structure_args(strategy, config, workload, world)
+    if structure is None:
+        return None
+    args = {} if strategy == "no-comm" else {**_arguments(strategy, config), **structure}
     steady = predict(strategy, workload, cluster, **args)
+    if strategy == "decoupled":
+        return _with_drain(steady)
     return _with_warmup(steady, workload, cluster, run) if strategy in REBALANCED else steady
+
+
+def _with_drain(p: Prediction) -> Prediction:
+    """The pipeline over its epoch: its ``drain`` iterations (filling and emptying the stages, in
+    the model's ``steps_per_epoch``) train no new samples, so the epoch's mean time per trained
+    step is ``epoch_s / (steps_per_epoch - drain)`` (the run's steps count trained batches)."""
+    trained = p.steps_per_epoch - p.detail["drain"]
+    return replace(p, step_s=p.epoch_s / trained) if trained > 0 else p
 
 
 REBALANCED = ("dbs", "dbs_async")
@@ -207,7 +270,8 @@ def predicted_table(result: dict[str, Any], world: int) -> str:
             continue
         validation, validation_wire = _validation_bytes(p, run)
         wire = (p.wire_bytes_per_epoch + validation_wire) * (1 + HEADERS) + overhead
-        payload = p.payload_bytes * run["steps"] + validation * run["epochs"]
+        drain = p.detail.get("drain", 0) * run["epochs"]  # the pipeline's drain iterations send too
+        payload = p.payload_bytes * (run["steps"] + drain) + validation * run["epochs"]
         measured_payload = run["payload_bytes"][0] if run.get("payload_bytes") else None
         rate = run["samples_per_s"]
         lines.append(

@@ -273,8 +273,16 @@ def dbs(
     return prediction
 
 
-def decoupled(workload: Workload, cluster: Cluster, pipe: int = 2, schedule: str = "fdg") -> Prediction:
-    """The N x K decoupled pipeline: lock-step iterations paced by the slowest stage."""
+def decoupled(
+    workload: Workload, cluster: Cluster, pipe: int = 2, schedule: str = "fdg", wire_dtype: str | None = None
+) -> Prediction:
+    """The N x K decoupled pipeline: lock-step iterations paced by the slowest stage.
+
+    ``wire_dtype='bf16'`` sends activations and their gradients as 2-byte words (the labels stay int64).
+    """
+    if wire_dtype not in (None, "bf16"):
+        raise ValueError(f"decoupled: `wire_dtype` must be None or 'bf16', got {wire_dtype!r}.")
+    word = 2 if wire_dtype == "bf16" else workload.word_bytes
     if not workload.blocks:
         raise ValueError(f"decoupled: workload {workload.name!r} has no per-block costs; calibrate it with blocks.")
     if cluster.workers % pipe:
@@ -287,8 +295,8 @@ def decoupled(workload: Workload, cluster: Cluster, pipe: int = 2, schedule: str
     for k, blocks in enumerate(stages):
         params = sum(bl.params for bl in blocks)
         work = (b * sum(bl.compute_s for bl in blocks) + step_share * params) / speed
-        forward = p2p(b * blocks[-1].out_words * workload.word_bytes + labels, cluster) if k < pipe - 1 else NONE
-        backward = p2p(b * stages[k - 1][-1].out_words * workload.word_bytes, cluster) if k > 0 else NONE
+        forward = p2p(b * blocks[-1].out_words * word + labels, cluster) if k < pipe - 1 else NONE
+        backward = p2p(b * stages[k - 1][-1].out_words * word, cluster) if k > 0 else NONE
         reduce = all_reduce(params * workload.word_bytes, replicas, cluster)
         hidden, _ = overlapped(work, forward + backward, cluster)
         locked = work + forward.time_s + backward.time_s
@@ -301,7 +309,7 @@ def decoupled(workload: Workload, cluster: Cluster, pipe: int = 2, schedule: str
     drain = {"fdg": 2 * (pipe - 1), "ddg": pipe - 1, "sync": 0}[schedule]
     return Prediction(
         "decoupled",
-        {"pipe": pipe, "schedule": schedule},
+        {"pipe": pipe, "schedule": schedule, **({"wire_dtype": wire_dtype} if wire_dtype else {})},
         cluster.workers,
         step_s=step,
         samples_per_step=b * replicas,
@@ -310,7 +318,7 @@ def decoupled(workload: Workload, cluster: Cluster, pipe: int = 2, schedule: str
         payload_bytes=payload / pipe,
         blocked_s=step - min(compute),
         staleness=float(drain),
-        detail={"stage_s": elapsed, "stage_blocks": [len(s) for s in stages]},
+        detail={"stage_s": elapsed, "stage_blocks": [len(s) for s in stages], "drain": drain},
     )
 
 

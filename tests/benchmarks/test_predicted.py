@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.predicted import predict_run, predicted_table
-from lightning_hier.models.networks import mlp
+from lightning_hier.models.networks import mlp, small_cnn
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "results.json"
 
@@ -101,3 +101,40 @@ def test_dbs_keeps_equal_sizes_until_its_first_rebalance():
     assert before.step_s == pytest.approx(before.detail["initial_step_s"])  # never rebalanced
     initial, steady = fit.detail["initial_step_s"], fit.detail["steady_step_s"]
     assert steady < initial and fit.step_s == pytest.approx((25 * initial + 23 * steady) / 48)
+
+
+def _structured_result(net, strategy: str, config: dict, batch: int) -> dict:
+    """A 2-rank run of ``strategy`` (``batch`` samples per step) beside its no-comm run (128 per rank and step)."""
+    words = [p.numel() for p in net.parameters()]
+    model = {"parameters": sum(words), "float_buffers": 0, "tensors": len(words), "tensor_words": words}
+    reference = {
+        "steps": 24,
+        "epochs": 1,
+        "samples": 24 * 256,
+        "train_s": 24 * 0.3,
+        "model": model,
+        "samples_per_s": 1.0,
+    }
+    run = {**reference, "samples": 24 * batch, "strategy": strategy, "strategy_config": config}
+    return {"link": "1gbit", "runs": {"no-comm": reference, strategy: run}}
+
+
+def test_the_pipeline_is_predicted_from_the_presets_blocks_over_its_epoch_drain_included():
+    result = _structured_result(small_cnn((3, 32, 32), 10), "decoupled", {"stages": 2, "schedule": "fdg"}, 256)
+    p = predict_run("decoupled", result["runs"]["decoupled"], result, world=2)
+    assert p is not None and p.args["pipe"] == 2 and p.samples_per_step == 256  # one replica of 2 stages
+    # the epoch: 24 trained iterations and a drain of 2 (K - 1) = 2, on the clock of the 24
+    assert p.detail["drain"] == 2 and p.steps_per_epoch == 26
+    assert p.step_s == pytest.approx(26 * max(p.detail["stage_s"]) / 24, rel=0.02)
+    run = result["runs"]["decoupled"]
+    run.update(bytes_per_epoch=1.0, payload_bytes=[26 * p.payload_bytes] * 2, samples_per_s=1.0)
+    row = next(line for line in predicted_table(result, world=2).splitlines() if line.startswith("| decoupled |"))
+    assert row.split(" | ")[9] == "+0%"  # the drain's iterations send their activations too
+
+
+def test_the_grid_is_predicted_from_the_presets_layer_list_and_other_networks_are_not():
+    result = _structured_result(mlp((3, 32, 32), 10, hidden=(2048,) * 3), "grid2d", {"grid": [2, 1]}, 256)
+    p = predict_run("grid2d", result["runs"]["grid2d"], result, world=2)
+    assert p is not None and p.args["grid"] == (2, 1) and p.samples_per_step == 256
+    other = _structured_result(mlp((3, 32, 32), 10, hidden=(512,)), "grid2d", {"grid": [2, 1]}, 256)
+    assert predict_run("grid2d", other["runs"]["grid2d"], other, world=2) is None  # no preset of that network

@@ -154,6 +154,10 @@ def test_decoupled_pipeline_runs_at_its_slowest_stage():
     sync = predict("decoupled", w, Cluster(2, FREE), pipe=2, schedule="sync")
     assert sync.step_s == pytest.approx(16 * 4e-3)
     assert p.payload_bytes == pytest.approx((16 * 50 * 4 + 16 * 8 + 16 * 50 * 4) / 2)  # activations+labels, gradients
+    bf16 = predict("decoupled", w, Cluster(2, FREE), pipe=2, wire_dtype="bf16")  # 2-byte activations, int64 labels
+    assert bf16.payload_bytes == pytest.approx((16 * 50 * 2 + 16 * 8 + 16 * 50 * 2) / 2)
+    with pytest.raises(ValueError, match=r"decoupled: `wire_dtype` must be None or 'bf16', got 'fp8'"):
+        predict("decoupled", w, Cluster(2, FREE), wire_dtype="fp8")
 
 
 def test_bad_input_names_the_argument():
