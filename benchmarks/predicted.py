@@ -96,7 +96,8 @@ def _workload(
     reference_batch = reference["samples"] / reference["steps"] / world
     sample_s = (reference["train_s"] - rounds_s) / reference["steps"] / factor / reference_batch
     tensor_words = tuple(int(n) for n in model.get("tensor_words") or ())
-    preset = _preset(tensor_words)
+    # the no-comm run trains the whole network on every rank (a grid run records its own shards)
+    preset = _preset(tuple(int(n) for n in (reference.get("model") or {}).get("tensor_words") or ()))
     blocks: tuple[Block, ...] = ()
     if preset is not None and preset.blocks:
         scale = sample_s / preset.sample_s
