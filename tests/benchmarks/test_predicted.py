@@ -134,6 +134,8 @@ def test_the_pipeline_is_predicted_from_the_presets_blocks_over_its_epoch_drain_
 
 def test_the_grid_is_predicted_from_the_presets_layer_list_and_other_networks_are_not():
     result = _structured_result(mlp((3, 32, 32), 10, hidden=(2048,) * 3), "grid2d", {"grid": [2, 1]}, 256)
+    shards = [3145728, 1024, 2097152, 1024, 2097152, 1024, 10240, 5]  # what a grid run records: its own shards
+    result["runs"]["grid2d"]["model"] = {**result["runs"]["grid2d"]["model"], "tensor_words": shards}
     p = predict_run("grid2d", result["runs"]["grid2d"], result, world=2)
     assert p is not None and p.args["grid"] == (2, 1) and p.samples_per_step == 256
     other = _structured_result(mlp((3, 32, 32), 10, hidden=(512,)), "grid2d", {"grid": [2, 1]}, 256)
