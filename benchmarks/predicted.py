@@ -255,7 +255,6 @@ def predicted_table(result: dict[str, Any], world: int) -> str:
     waiting for their cores (other processes held them): the calibration assumes the ``no-comm``
     run's share of the cores, so a run under more load than its calibration is slower than predicted.
     """
-    overhead = _fixed_bytes_per_epoch(result["runs"].get(NO_COMM, {}))
     lines = [
         "| run | samples/s | predicted | error | MB/epoch/rank | predicted | error | payload MB/rank | predicted "
         "| error | queued |",
@@ -269,10 +268,7 @@ def predicted_table(result: dict[str, Any], world: int) -> str:
         if label == NO_COMM:  # the calibration run itself
             lines.append(f"| {label} | {run['samples_per_s']:.0f} | calibration |" + " - |" * 7 + f" {_queued(run)} |")
             continue
-        validation, validation_wire = _validation_bytes(p, run)
-        wire = (p.wire_bytes_per_epoch + validation_wire) * (1 + HEADERS) + overhead
-        drain = p.detail.get("drain", 0) * run["epochs"]  # the pipeline's drain iterations send too
-        payload = p.payload_bytes * (run["steps"] + drain) + validation * run["epochs"]
+        wire, payload = predicted_bytes(p, run, result)
         measured_payload = run["payload_bytes"][0] if run.get("payload_bytes") else None
         rate = run["samples_per_s"]
         lines.append(
@@ -282,6 +278,15 @@ def predicted_table(result: dict[str, Any], world: int) -> str:
             f"| {_error(payload, measured_payload)} | {_queued(run)} |"
         )
     return "\n".join(lines)
+
+
+def predicted_bytes(p: Prediction, run: dict[str, Any], result: dict[str, Any]) -> tuple[float, float]:
+    """``(wire bytes per epoch and rank, payload bytes per rank over the fit)`` predicted for ``run``."""
+    overhead = _fixed_bytes_per_epoch(result["runs"].get(NO_COMM, {}))
+    validation, validation_wire = _validation_bytes(p, run)
+    wire = (p.wire_bytes_per_epoch + validation_wire) * (1 + HEADERS) + overhead
+    drain = p.detail.get("drain", 0) * run["epochs"]  # the pipeline's drain iterations send too
+    return wire, p.payload_bytes * (run["steps"] + drain) + validation * run["epochs"]
 
 
 def _fill_models(results: dict[str, Any], logs_root: Path) -> None:
