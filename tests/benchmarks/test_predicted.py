@@ -140,3 +140,17 @@ def test_the_grid_is_predicted_from_the_presets_layer_list_and_other_networks_ar
     assert p is not None and p.args["grid"] == (2, 1) and p.samples_per_step == 256
     other = _structured_result(mlp((3, 32, 32), 10, hidden=(512,)), "grid2d", {"grid": [2, 1]}, 256)
     assert predict_run("grid2d", other["runs"]["grid2d"], other, world=2) is None  # no preset of that network
+
+
+def test_each_validations_consensus_is_on_the_training_clock():
+    """HPSGD builds a consensus model (one all-reduce of the 21 MB MLP) at every validation: at
+    100 Mbit/s that takes 21 MB * 8 / 94.4 Mbit/s = 1.78 s per epoch, spread over the epoch's steps.
+    Local SGD with tau = 4 ends its epochs on a round and needs none."""
+    result = _mlp_result()
+    run = result["runs"]["hpsgd-w4"]
+    p = predict_run("hpsgd-w4", run, result, world=2)
+    assert p is not None
+    model_bytes = 4 * run["model"]["parameters"]
+    assert p.detail["consensus_s"] == pytest.approx(model_bytes * 8 / (0.944 * 100e6), rel=1e-6)
+    local = predict_run("localsgd", result["runs"]["localsgd"], result, world=2)
+    assert local is not None and "consensus_s" not in local.detail
