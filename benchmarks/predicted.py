@@ -305,9 +305,12 @@ def predicted_bytes(p: Prediction, run: dict[str, Any], result: dict[str, Any]) 
     """``(wire bytes per epoch and rank, payload bytes per rank over the fit)`` predicted for ``run``."""
     overhead = _fixed_bytes_per_epoch(result["runs"].get(NO_COMM, {}))
     validation, validation_wire = _validation_bytes(p, run)
-    wire = (p.wire_bytes_per_epoch + validation_wire) * (1 + HEADERS) + overhead
+    # EASGD's center catches up with the replicas at the end of the fit: one all-reduce of the model
+    catch_up = 4 * float((run.get("model") or {}).get("parameters") or 0) if p.strategy == "easgd" else 0.0
+    share = (p.workers - 1) / p.workers
+    wire = (p.wire_bytes_per_epoch + validation_wire + 2 * share * catch_up / run["epochs"]) * (1 + HEADERS)
     drain = p.detail.get("drain", 0) * run["epochs"]  # the pipeline's drain iterations send too
-    return wire, p.payload_bytes * (run["steps"] + drain) + validation * run["epochs"]
+    return wire + overhead, p.payload_bytes * (run["steps"] + drain) + validation * run["epochs"] + catch_up
 
 
 def _fill_models(results: dict[str, Any], logs_root: Path) -> None:

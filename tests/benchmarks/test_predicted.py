@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.predicted import predict_run, predicted_table
+from benchmarks.predicted import predict_run, predicted_bytes, predicted_table
 from lightning_hier.models.networks import mlp, small_cnn
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "results.json"
@@ -154,3 +154,15 @@ def test_each_validations_consensus_is_on_the_training_clock():
     assert p.detail["consensus_s"] == pytest.approx(model_bytes * 8 / (0.944 * 100e6), rel=1e-6)
     local = predict_run("localsgd", result["runs"]["localsgd"], result, world=2)
     assert local is not None and "consensus_s" not in local.detail
+
+
+def test_easgds_end_of_fit_catch_up_is_one_more_model_of_payload():
+    """grawa_cnn at 1 Gbit/s (benchmarks/results/sim18c/grawa_1g.json): EASGD, tau 4, 32 steps,
+    CommStats counted 9 models (8 rounds and the center's catch-up at the end of the fit)."""
+    result = json.loads((RESULTS.parent / "sim18c" / "grawa_1g.json").read_text())["workloads"]["grawa_cnn"]
+    run = result["runs"]["easgd"]
+    p = predict_run("easgd", run, result, world=2)
+    assert p is not None
+    _, payload = predicted_bytes(p, run, result)
+    assert payload == pytest.approx(run["payload_bytes"][0], rel=0.005)
+    assert payload == pytest.approx(9 * 4 * run["model"]["parameters"], rel=0.005)
