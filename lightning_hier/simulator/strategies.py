@@ -298,7 +298,11 @@ def decoupled(
         forward = p2p(b * blocks[-1].out_words * word + labels, cluster) if k < pipe - 1 else NONE
         backward = p2p(b * stages[k - 1][-1].out_words * word, cluster) if k > 0 else NONE
         reduce = all_reduce(params * workload.word_bytes, replicas, cluster)
-        hidden, _ = overlapped(work, forward + backward, cluster)
+        # a boundary's two messages (activations one way, their gradients back) cross it one after
+        # the other, so a stage's iteration hides what it receives as well as what it sends
+        fed = p2p(b * stages[k - 1][-1].out_words * word + labels, cluster) if k > 0 else NONE
+        returned = p2p(b * blocks[-1].out_words * word, cluster) if k < pipe - 1 else NONE
+        hidden, _ = overlapped(work, forward + backward + fed + returned, cluster)
         locked = work + forward.time_s + backward.time_s
         elapsed.append((locked if schedule == "sync" else hidden) + reduce.time_s)
         compute.append(work)
