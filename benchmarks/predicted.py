@@ -19,6 +19,12 @@ Calibration, all from the same invocation (nothing is fitted to the run being pr
   each synchronisation; results recorded before it was measured predict with none;
 - :data:`CPU_S_PER_BYTE`: gloo's reduction and copies on the rank's one core, fitted once on
   ``hpsgd_mlp`` (HPSGD, window 4, 1 Gbit/s) and kept for every run;
+- each epoch's validation consensus (HPSGD, the averaging family when the epoch does not end on a
+  round, the parameter servers) is on the training clock, so its time joins the fit's
+  (:func:`_with_consensus`);
+- DBS (``dbs``, ``dbs_async``) over the run's fit: its first ``warmup_steps + rebalance_every``
+  steps keep the initial (equal) batch sizes, the rest the speed-proportional shares
+  (:func:`_with_warmup`; a short benchmark run spends half its steps before the first rebalance);
 - bytes per epoch: the model's wire bytes plus :data:`HEADERS` (TCP/IP framing), plus the
   ``no-comm`` run's bytes per epoch that were not its validation consensus (rendezvous store,
   metric syncs), plus the consensus each epoch's validation needs (:func:`_validation_bytes`:
@@ -26,9 +32,11 @@ Calibration, all from the same invocation (nothing is fitted to the run being pr
   rounds and the parameter-server strategies always); the payload column (what ``CommStats``
   counted over the fit) includes that consensus where ``CommStats`` counts it.
 
-Runs the model does not cover in the report print ``-``: DDP's communication-hook peers, and the
-pipeline and grid runs (they need per-block costs or the layer list; use
-``python -m lightning_hier.simulator``).
+The pipeline and the grid need the network's structure: per-block costs (their shares from the
+simulator's preset of the same network, found by its tensor sizes, rescaled to the calibrated
+compute) and the layer list (built from the preset's model spec). The pipeline's prediction covers
+its epoch, drain included (:func:`_with_drain`). Runs the model does not cover print ``-``: DDP's
+communication-hook peers, and pipeline or grid runs of a network without a preset.
 """
 
 from __future__ import annotations
@@ -37,10 +45,13 @@ import argparse
 import inspect
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from lightning_hier.simulator import Cluster, Prediction, Workload, all_reduce, one_straggler, parse_link, predict
+from lightning_hier.simulator.__main__ import PRESETS, workload_layers
+from lightning_hier.simulator.inputs import Block
 from lightning_hier.simulator.registry import MODELS
 
 EFFICIENCY = 0.944
@@ -48,7 +59,6 @@ UNLIMITED_BITS = 7.9e9
 CPU_S_PER_BYTE = 3e-9
 HEADERS = 0.002  # TCP/IP headers: veth offloads segmentation, so segments are ~64 KB
 NO_COMM = "no-comm"
-UNMODELLED = ("decoupled", "grid2d")
 
 
 def _cluster(link: str, world: int, straggler: dict[str, Any] | None, jitter_s: float) -> Cluster:
@@ -67,13 +77,34 @@ def _reference_rounds_s(reference: dict[str, Any], cluster: Cluster) -> float:
 
 
 def _workload(
-    name: str, run: dict[str, Any], reference: dict[str, Any], world: int, factor: float, rounds_s: float
+    name: str,
+    run: dict[str, Any],
+    reference: dict[str, Any],
+    world: int,
+    factor: float,
+    rounds_s: float,
+    replicas: int | None = None,
 ) -> Workload | None:
+    """The run's workload, its compute calibrated per sample on the ``no-comm`` run.
+
+    ``replicas``: data-parallel replicas of the run (the pipeline's: ranks / stages; default all
+    ranks), which sets its per-replica batch. Blocks (the pipeline's per-block costs) and the model's
+    spec (the grid's layer list) come from the simulator's preset of the same network
+    (:func:`_preset`), the blocks' times rescaled to the calibrated per-sample time.
+    """
     model = run.get("model") or reference.get("model") or {}
     if not model.get("parameters") or not run.get("steps") or not reference.get("steps"):
         return None
-    batch = round(run["samples"] / run["steps"] / world)
-    sample_s = (reference["train_s"] - rounds_s) / reference["steps"] / factor / batch
+    batch = round(run["samples"] / run["steps"] / (replicas or world))
+    reference_batch = reference["samples"] / reference["steps"] / world
+    sample_s = (reference["train_s"] - rounds_s) / reference["steps"] / factor / reference_batch
+    tensor_words = tuple(int(n) for n in model.get("tensor_words") or ())
+    # the no-comm run trains the whole network on every rank (a grid run records its own shards)
+    preset = _preset(tuple(int(n) for n in (reference.get("model") or {}).get("tensor_words") or ()))
+    blocks: tuple[Block, ...] = ()
+    if preset is not None and preset.blocks:
+        scale = sample_s / preset.sample_s
+        blocks = tuple(replace(b, compute_s=b.compute_s * scale) for b in preset.blocks)
     return Workload(
         name,
         params=int(model["parameters"]),
@@ -83,8 +114,32 @@ def _workload(
         backward_s=2 * sample_s / 3,
         buffers=int(model.get("float_buffers") or 0),
         tensors=int(model.get("tensors") or 1),
-        tensor_words=tuple(int(n) for n in model.get("tensor_words") or ()),
+        tensor_words=tensor_words,
+        blocks=blocks,
+        model=preset.model if preset is not None else None,
     )
+
+
+def _preset(tensor_words: tuple[int, ...]) -> Workload | None:
+    """The simulator's preset of the same network: the one with exactly these tensor sizes (None: none)."""
+    if not tensor_words:
+        return None
+    presets = (Workload.load(path) for path in sorted(PRESETS.glob("*.json")))
+    return next((w for w in presets if w.tensor_words == tensor_words), None)
+
+
+def _structure_args(strategy: str, config: dict[str, Any], workload: Workload, world: int) -> dict[str, Any] | None:
+    """The pipeline's stages and the grid's shape and layer list (None: the run cannot be predicted)."""
+    if strategy == "decoupled":
+        stages = config.get("stages", "auto")
+        # `auto` picks one stage per rank of a node; the benchmark's nodes are one rank each, up to the world
+        pipe = int(stages) if isinstance(stages, int) else world
+        return {"pipe": pipe} if workload.blocks else None
+    if strategy == "grid2d":
+        layers = workload_layers(workload)
+        grid = config.get("grid")
+        return {"layers": layers, "grid": tuple(grid) if isinstance(grid, list) else None} if layers else None
+    return {}
 
 
 def _arguments(strategy: str, config: dict[str, Any] | None) -> dict[str, Any]:
@@ -96,7 +151,7 @@ def predict_run(label: str, run: dict[str, Any], result: dict[str, Any], world: 
     """The simulator's prediction of one measured run (None: not modelled, or no calibration)."""
     reference = result["runs"].get(NO_COMM)
     strategy = "no-comm" if label == NO_COMM else run.get("strategy", "")
-    if reference is None or "error" in reference or "error" in run or strategy not in MODELS or strategy in UNMODELLED:
+    if reference is None or "error" in reference or "error" in run or strategy not in MODELS:
         return None
     if int(run.get("ranks", world)) != world:  # a run on part of the cluster (the single-process baseline)
         return None
@@ -104,11 +159,69 @@ def predict_run(label: str, run: dict[str, Any], result: dict[str, Any], world: 
     factor = float(straggler["factor"]) if straggler else 1.0
     jitter = float(reference.get("step_jitter_s") or 0.0) / factor
     cluster = _cluster(str(result.get("link", "1gbit")), world, straggler, jitter)
-    workload = _workload(label, run, reference, world, factor, _reference_rounds_s(reference, cluster))
+    config = run.get("strategy_config") or {}
+    stages = config.get("stages") if strategy == "decoupled" else 1
+    replicas = world // (int(stages) if isinstance(stages, int) else world)
+    workload = _workload(label, run, reference, world, factor, _reference_rounds_s(reference, cluster), replicas)
     if workload is None:
         return None
-    args = {} if strategy == "no-comm" else _arguments(strategy, run.get("strategy_config"))
-    return predict(strategy, workload, cluster, **args)
+    structure = _structure_args(strategy, config, workload, world)
+    if structure is None:
+        return None
+    args = {} if strategy == "no-comm" else {**_arguments(strategy, config), **structure}
+    steady = predict(strategy, workload, cluster, **args)
+    if strategy == "decoupled":
+        return _with_drain(steady)
+    fit = _with_warmup(steady, workload, cluster, run) if strategy in REBALANCED else steady
+    return fit if strategy == "no-comm" else _with_consensus(fit, cluster, run)
+
+
+def _with_consensus(p: Prediction, cluster: Cluster, run: dict[str, Any]) -> Prediction:
+    """The fit's mean step with the consensus each validation needs (:func:`_validation_bytes`).
+
+    The Recorder keeps that consensus on the training clock (the strategy builds it after the
+    validation hook), and the calibration already leaves the ``no-comm`` run's own out. It is one
+    transfer of the model per epoch, blocking: its wire bytes at the link's rate, or at gloo's CPU
+    cost per byte where that is slower. At 100 Mbit/s the MLP's 21 MB take 1.8 s, a fifth of a
+    16-step run.
+    """
+    _, wire = _validation_bytes(p, run)
+    if not wire or not run.get("steps"):
+        return p
+    consensus_s = wire * max(cluster.byte_s, cluster.cpu_s_per_byte)
+    step_s = p.step_s + run["epochs"] * consensus_s / run["steps"]
+    return replace(p, step_s=step_s, detail={**p.detail, "consensus_s": consensus_s})
+
+
+def _with_drain(p: Prediction) -> Prediction:
+    """The pipeline over its epoch: its ``drain`` iterations (filling and emptying the stages, in
+    the model's ``steps_per_epoch``) train no new samples, so the epoch's mean time per trained
+    step is ``epoch_s / (steps_per_epoch - drain)`` (the run's steps count trained batches)."""
+    trained = p.steps_per_epoch - p.detail["drain"]
+    return replace(p, step_s=p.epoch_s / trained) if trained > 0 else p
+
+
+REBALANCED = ("dbs", "dbs_async")
+"""DBS's strategies: their first ``warmup_steps + rebalance_every`` steps keep the initial batch sizes."""
+
+
+def _with_warmup(steady: Prediction, workload: Workload, cluster: Cluster, run: dict[str, Any]) -> Prediction:
+    """DBS over the run's whole fit: its first steps at the initial sizes, the rest at the steady shares.
+
+    DBS measures nothing in its first ``warmup_steps`` steps and rebalances first after
+    ``warmup_steps + rebalance_every``; until then every worker keeps its initial size (equal,
+    unless ``initial_sizes`` is given). A short run spends much of its fit there: 25 of 48 steps.
+    The fit's mean step is the step-weighted mean of the two predictions (closed form).
+    """
+    config = run.get("strategy_config") or {}
+    early = int(config.get("warmup_steps", 5)) + int(config.get("rebalance_every", 20))
+    steps = int(run["steps"])
+    sizes = config.get("initial_sizes") or [workload.batch_size] * cluster.workers
+    initial = predict(steady.strategy, workload, cluster, **steady.args, shares=sizes)
+    n = min(early, steps)
+    step_s = (n * initial.step_s + (steps - n) * steady.step_s) / steps
+    detail = {**steady.detail, "initial_steps": n, "initial_step_s": initial.step_s, "steady_step_s": steady.step_s}
+    return replace(steady, step_s=step_s, detail=detail)
 
 
 def _fixed_bytes_per_epoch(reference: dict[str, Any]) -> float:
@@ -150,34 +263,54 @@ def _error(predicted: float, measured: float | None) -> str:
     return f"{100 * (predicted - measured) / measured:+.0f}%"
 
 
+def _queued(run: dict[str, Any]) -> str:
+    """The share of the run its training threads waited for their cores (load; ``-``: not recorded)."""
+    share = run.get("queued_share")
+    return "-" if share is None else f"{100 * share:.0f}%"
+
+
 def predicted_table(result: dict[str, Any], world: int) -> str:
-    """Markdown: measured and predicted samples/s, MB/epoch/rank and payload per run, with the errors."""
-    overhead = _fixed_bytes_per_epoch(result["runs"].get(NO_COMM, {}))
+    """Markdown: measured and predicted samples/s, MB/epoch/rank and payload per run, with the errors.
+
+    The last column is the share of each run that its ranks' training threads spent runnable but
+    waiting for their cores (other processes held them): the calibration assumes the ``no-comm``
+    run's share of the cores, so a run under more load than its calibration is slower than predicted.
+    """
     lines = [
         "| run | samples/s | predicted | error | MB/epoch/rank | predicted | error | payload MB/rank | predicted "
-        "| error |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| error | queued |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for label, run in result["runs"].items():
         p = predict_run(label, run, result, world)
         if p is None:
-            lines.append(f"| {label} | {run.get('samples_per_s', math.nan):.0f} |" + " - |" * 8)
+            lines.append(f"| {label} | {run.get('samples_per_s', math.nan):.0f} |" + " - |" * 8 + f" {_queued(run)} |")
             continue
         if label == NO_COMM:  # the calibration run itself
-            lines.append(f"| {label} | {run['samples_per_s']:.0f} | calibration |" + " - |" * 7)
+            lines.append(f"| {label} | {run['samples_per_s']:.0f} | calibration |" + " - |" * 7 + f" {_queued(run)} |")
             continue
-        validation, validation_wire = _validation_bytes(p, run)
-        wire = (p.wire_bytes_per_epoch + validation_wire) * (1 + HEADERS) + overhead
-        payload = p.payload_bytes * run["steps"] + validation * run["epochs"]
+        wire, payload = predicted_bytes(p, run, result)
         measured_payload = run["payload_bytes"][0] if run.get("payload_bytes") else None
         rate = run["samples_per_s"]
         lines.append(
             f"| {label} | {rate:.0f} | {p.samples_per_s:.0f} | {_error(p.samples_per_s, rate)} "
             f"| {run['bytes_per_epoch'] / 1e6:.1f} | {wire / 1e6:.1f} | {_error(wire, run['bytes_per_epoch'])} "
             f"| {'-' if measured_payload is None else f'{measured_payload / 1e6:.1f}'} | {payload / 1e6:.1f} "
-            f"| {_error(payload, measured_payload)} |"
+            f"| {_error(payload, measured_payload)} | {_queued(run)} |"
         )
     return "\n".join(lines)
+
+
+def predicted_bytes(p: Prediction, run: dict[str, Any], result: dict[str, Any]) -> tuple[float, float]:
+    """``(wire bytes per epoch and rank, payload bytes per rank over the fit)`` predicted for ``run``."""
+    overhead = _fixed_bytes_per_epoch(result["runs"].get(NO_COMM, {}))
+    validation, validation_wire = _validation_bytes(p, run)
+    # EASGD's center catches up with the replicas at the end of the fit: one all-reduce of the model
+    catch_up = 4 * float((run.get("model") or {}).get("parameters") or 0) if p.strategy == "easgd" else 0.0
+    share = (p.workers - 1) / p.workers
+    wire = (p.wire_bytes_per_epoch + validation_wire + 2 * share * catch_up / run["epochs"]) * (1 + HEADERS)
+    drain = p.detail.get("drain", 0) * run["epochs"]  # the pipeline's drain iterations send too
+    return wire + overhead, p.payload_bytes * (run["steps"] + drain) + validation * run["epochs"] + catch_up
 
 
 def _fill_models(results: dict[str, Any], logs_root: Path) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from lightning.pytorch.callbacks import Callback
 from omegaconf import OmegaConf
 from typing_extensions import override
 
+from benchmarks.schedstat import thread_schedstat
 from lightning_hier.train import build_datamodule, build_module, build_strategy, build_trainer, conf_dir
 
 # What every benchmark rank needs regardless of the workload: no progress bars, checkpoints or
@@ -51,10 +53,19 @@ class Recorder(Callback):
             and last batch (the last holds the end-of-epoch and end-of-fit rounds of the averaging
             strategies, ``no-comm``'s too) and every interval that holds a validation (the
             simulator's jitter calibration).
+        cpu_s: Seconds the training thread ran on a CPU during the fit (``schedstat``).
+        queued_s: Seconds it was runnable but waited for its core during the fit: other processes
+            held it (load on a shared machine; benchmarks/predicted.py prints it beside each run).
     """
 
-    def __init__(self, clock: Any = time.perf_counter) -> None:
+    def __init__(
+        self, clock: Any = time.perf_counter, sched: Callable[[], tuple[float, float]] = thread_schedstat
+    ) -> None:
         self.clock = clock
+        self.sched = sched
+        self.cpu_s = 0.0
+        self.queued_s = 0.0
+        self._sched0 = (0.0, 0.0)
         self.timeline: list[dict[str, float]] = []
         self.samples = 0
         self.train_s = 0.0
@@ -70,6 +81,7 @@ class Recorder(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._t0, self._val_s, self.samples, self.timeline = self.clock(), 0.0, 0, []
+        self._sched0 = self.sched()
         self.step_s, self._epoch_steps, self._last_batch_end = [], [], None
 
     @override
@@ -125,6 +137,8 @@ class Recorder(Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.wall_s = self.clock() - self._t0
         self.train_s = self.wall_s - self._val_s
+        cpu, queued = self.sched()
+        self.cpu_s, self.queued_s = cpu - self._sched0[0], queued - self._sched0[1]
 
 
 def layout_overrides(ranks: int, ranks_per_node: int = 1) -> list[str]:
@@ -188,6 +202,8 @@ def _measurements(trainer: pl.Trainer, recorder: Recorder, cfg: Any, callbacks: 
         "wall_s": recorder.wall_s,
         "timeline": recorder.timeline,
         "step_s": recorder.step_s,
+        "cpu_s": recorder.cpu_s,
+        "queued_s": recorder.queued_s,
         "comm": None if stats is None else stats.state_dict(),
         "strategy_metrics": dict(getattr(trainer.strategy, "last_metrics", {}) or {}),
         "straggler_slept_s": slept,

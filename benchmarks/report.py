@@ -69,7 +69,16 @@ def summarize(scenario: Scenario, job: JobResult) -> dict[str, Any]:
         "model": {key: ranks[0].get(key) for key in ("parameters", "float_buffers", "tensors", "tensor_words")},
         # the simulator's jitter (benchmarks/predicted.py): the ranks' mean spread of a step's time
         "step_jitter_s": mean(gini_sigma(r["step_s"]) for r in ranks) if all(r.get("step_s") for r in ranks) else None,
+        # load on a shared machine: the share of the fit the ranks' training threads waited for their cores
+        "queued_share": _queued_share(ranks),
     }
+
+
+def _queued_share(ranks: list[dict[str, Any]]) -> float | None:
+    """The ranks' mean share of the fit's wall time spent runnable but waiting for the core (None: not recorded)."""
+    if not all(r.get("queued_s") is not None and r.get("wall_s") for r in ranks):
+        return None
+    return mean(float(r["queued_s"]) / float(r["wall_s"]) for r in ranks)
 
 
 def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:

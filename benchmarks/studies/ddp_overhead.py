@@ -32,7 +32,6 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from statistics import mean, stdev
 from typing import Any
 
@@ -43,6 +42,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
+from benchmarks.schedstat import thread_schedstat
 from lightning_hier.models import mlp, small_cnn
 from lightning_hier.simulator.jitter import expected_max_normal, gini_sigma
 
@@ -110,23 +110,17 @@ class _Run:
 
     def step(self, record: bool) -> None:
         dist.barrier()  # every variant's step starts with both ranks ready
-        w0, (r0, q0), p0 = time.perf_counter(), _schedstat(), time.process_time()
+        w0, (r0, q0), p0 = time.perf_counter(), thread_schedstat(), time.process_time()
         self.optimizer.zero_grad()
         F.cross_entropy(self.model(self.x), self.y).backward()
         self.reduce()
         self.optimizer.step()
-        wall, (r1, q1), proc = time.perf_counter() - w0, _schedstat(), time.process_time() - p0
+        wall, (r1, q1), proc = time.perf_counter() - w0, thread_schedstat(), time.process_time() - p0
         if record:
             run, queued = r1 - r0, q1 - q0
             self.rows.append(
                 {"wall": wall, "run": run, "queued": queued, "asleep": wall - run - queued, "process": proc}
             )
-
-
-def _schedstat() -> tuple[float, float]:
-    """The calling thread's seconds on a CPU and seconds runnable but waiting for one (``schedstat``)."""
-    run, queued, _ = Path("/proc/thread-self/schedstat").read_text().split()
-    return int(run) / 1e9, int(queued) / 1e9
 
 
 def _rank(rank: int, args: argparse.Namespace, port: int, results: Any) -> None:

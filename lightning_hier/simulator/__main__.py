@@ -50,7 +50,8 @@ def build_model(spec: dict[str, Any]) -> nn.Module:
     return factory(tuple(spec["input_shape"]), int(spec["classes"]), **spec.get("args", {}))
 
 
-def _layers(workload: Workload) -> list[Layer]:
+def workload_layers(workload: Workload) -> list[Layer]:
+    """The grid's layer list of the workload's network (empty: the workload has no model spec)."""
     if workload.model is None:
         return []
     from lightning_hier.planner.networks import model_layers
@@ -123,7 +124,12 @@ def _predict(args: argparse.Namespace) -> int:
         raise SystemExit(f"simulator: unknown `--strategies` {unknown}; known: {sorted(ROWS)}")
     parse_speeds(args.stragglers, 2)  # a bad distribution fails before the sweep
     results = sweep(
-        args.strategies, workload, cluster, args.workers, lambda w: parse_speeds(args.stragglers, w), _layers(workload)
+        args.strategies,
+        workload,
+        cluster,
+        args.workers,
+        lambda w: parse_speeds(args.stragglers, w),
+        workload_layers(workload),
     )
     rate = 32 / cluster.link.beta / 1e9
     title = (

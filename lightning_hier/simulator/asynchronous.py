@@ -56,7 +56,7 @@ from typing import Any
 from lightning_hier.comm.ps_wire import HEADER_LEN
 from lightning_hier.simulator.collectives import NONE, Comm, all_reduce, sent
 from lightning_hier.simulator.inputs import Cluster, Workload
-from lightning_hier.simulator.prediction import FLOAT64, Prediction, compute_s, steps_per_epoch
+from lightning_hier.simulator.prediction import FLOAT64, Prediction, batch_shares, compute_s, steps_per_epoch
 
 HEADER_BYTES = HEADER_LEN * FLOAT64
 """Bytes of a parameter-server message's header (:mod:`lightning_hier.comm.ps_wire`)."""
@@ -257,11 +257,19 @@ def softsync(
 
 
 def dbs_async(
-    workload: Workload, cluster: Cluster, rebalance_every: int = 20, server_shares_core: bool = True
+    workload: Workload,
+    cluster: Cluster,
+    rebalance_every: int = 20,
+    server_shares_core: bool = True,
+    shares: Sequence[float] | None = None,
 ) -> Prediction:
-    """DBS's speed-proportional batch shares driving ASGD workers; they meet every ``rebalance_every`` steps."""
-    p, speeds = cluster.workers, cluster.speed_list
-    shares = [workload.batch_size * p * s / sum(speeds) for s in speeds]
+    """DBS's speed-proportional batch shares driving ASGD workers; they meet every ``rebalance_every`` steps.
+
+    ``shares``: fixed per-worker batches instead (before the first rebalance), as
+    :func:`~.strategies.dbs` (:func:`~.prediction.batch_shares`).
+    """
+    p = cluster.workers
+    shares = batch_shares(workload, cluster, shares)
     table = all_reduce(p * 4 * FLOAT64, p, cluster)  # as DBS's rebalance (see the synchronous model)
     args = {"rebalance_every": rebalance_every, "server_shares_core": server_shares_core}
     prediction = _served(

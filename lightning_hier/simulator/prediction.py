@@ -65,9 +65,19 @@ def compute_s(workload: Workload, cluster: Cluster, samples: Sequence[float] | N
     return [(b * workload.sample_s + workload.step_s) / s for b, s in zip(batch, cluster.speed_list, strict=True)]
 
 
+def batch_shares(workload: Workload, cluster: Cluster, shares: Sequence[float] | None = None) -> list[float]:
+    """DBS's per-worker batches: ``shares`` as given (one per worker), or the global batch split by speed."""
+    p, speeds = cluster.workers, cluster.speed_list
+    if shares is None:
+        return [workload.batch_size * p * s / sum(speeds) for s in speeds]
+    if len(shares) != p or min(shares) <= 0:
+        raise ValueError(f"dbs: `shares` must be {p} positive batch sizes (one per worker), got {list(shares)!r}.")
+    return [float(s) for s in shares]
+
+
 def steps_per_epoch(workload: Workload, replicas: int) -> float:
     """Optimizer steps of one epoch with ``replicas`` data-parallel replicas (at least 1)."""
     return max(1, workload.samples_per_epoch // (workload.batch_size * replicas))
 
 
-__all__ = ["FLOAT64", "Prediction", "compute_s", "steps_per_epoch"]
+__all__ = ["FLOAT64", "Prediction", "batch_shares", "compute_s", "steps_per_epoch"]

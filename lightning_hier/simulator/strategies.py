@@ -51,7 +51,7 @@ from lightning_hier.planner.cost import Layer, network_cost
 from lightning_hier.simulator.collectives import NONE, Comm, all_reduce, broadcast, overlapped, p2p
 from lightning_hier.simulator.inputs import Cluster, Workload, split_blocks
 from lightning_hier.simulator.jitter import sync_wait
-from lightning_hier.simulator.prediction import FLOAT64, Prediction, compute_s, steps_per_epoch
+from lightning_hier.simulator.prediction import FLOAT64, Prediction, batch_shares, compute_s, steps_per_epoch
 
 MiB = 2**20
 
@@ -251,12 +251,21 @@ def lgrawa(
     return _grawa("lgrawa", workload, cluster, tau, sync_buffers, probe, rounds, workload.tensors)
 
 
-def dbs(workload: Workload, cluster: Cluster, rebalance_every: int = 20, sync_buffers: bool = True) -> Prediction:
-    """DBS: shares of the global batch proportional to speed, then a blocking gradient all-reduce."""
-    p, speeds = cluster.workers, cluster.speed_list
-    total = workload.batch_size * p
-    shares = [total * s / sum(speeds) for s in speeds]
+def dbs(
+    workload: Workload,
+    cluster: Cluster,
+    rebalance_every: int = 20,
+    sync_buffers: bool = True,
+    shares: Sequence[float] | None = None,
+) -> Prediction:
+    """DBS: shares of the global batch proportional to speed, then a blocking gradient all-reduce.
+
+    ``shares`` fixes the per-worker batches instead (DBS before its first rebalance keeps its
+    initial sizes, equal by default: :func:`~.prediction.batch_shares`).
+    """
+    shares = batch_shares(workload, cluster, shares)
     work = compute_s(workload, cluster, shares)
+    p = cluster.workers
     grads = all_reduce(workload.param_bytes + _buffer_bytes(workload, sync_buffers), p, cluster)
     table = all_reduce(p * 4 * FLOAT64, p, cluster).times(1 / rebalance_every)
     prediction = _sync("dbs", workload, cluster, {"rebalance_every": rebalance_every}, 1, work, grads + table)
@@ -264,8 +273,16 @@ def dbs(workload: Workload, cluster: Cluster, rebalance_every: int = 20, sync_bu
     return prediction
 
 
-def decoupled(workload: Workload, cluster: Cluster, pipe: int = 2, schedule: str = "fdg") -> Prediction:
-    """The N x K decoupled pipeline: lock-step iterations paced by the slowest stage."""
+def decoupled(
+    workload: Workload, cluster: Cluster, pipe: int = 2, schedule: str = "fdg", wire_dtype: str | None = None
+) -> Prediction:
+    """The N x K decoupled pipeline: lock-step iterations paced by the slowest stage.
+
+    ``wire_dtype='bf16'`` sends activations and their gradients as 2-byte words (the labels stay int64).
+    """
+    if wire_dtype not in (None, "bf16"):
+        raise ValueError(f"decoupled: `wire_dtype` must be None or 'bf16', got {wire_dtype!r}.")
+    word = 2 if wire_dtype == "bf16" else workload.word_bytes
     if not workload.blocks:
         raise ValueError(f"decoupled: workload {workload.name!r} has no per-block costs; calibrate it with blocks.")
     if cluster.workers % pipe:
@@ -278,10 +295,14 @@ def decoupled(workload: Workload, cluster: Cluster, pipe: int = 2, schedule: str
     for k, blocks in enumerate(stages):
         params = sum(bl.params for bl in blocks)
         work = (b * sum(bl.compute_s for bl in blocks) + step_share * params) / speed
-        forward = p2p(b * blocks[-1].out_words * workload.word_bytes + labels, cluster) if k < pipe - 1 else NONE
-        backward = p2p(b * stages[k - 1][-1].out_words * workload.word_bytes, cluster) if k > 0 else NONE
+        forward = p2p(b * blocks[-1].out_words * word + labels, cluster) if k < pipe - 1 else NONE
+        backward = p2p(b * stages[k - 1][-1].out_words * word, cluster) if k > 0 else NONE
         reduce = all_reduce(params * workload.word_bytes, replicas, cluster)
-        hidden, _ = overlapped(work, forward + backward, cluster)
+        # a boundary's two messages (activations one way, their gradients back) cross it one after
+        # the other, so a stage's iteration hides what it receives as well as what it sends
+        fed = p2p(b * stages[k - 1][-1].out_words * word + labels, cluster) if k > 0 else NONE
+        returned = p2p(b * blocks[-1].out_words * word, cluster) if k < pipe - 1 else NONE
+        hidden, _ = overlapped(work, forward + backward + fed + returned, cluster)
         locked = work + forward.time_s + backward.time_s
         elapsed.append((locked if schedule == "sync" else hidden) + reduce.time_s)
         compute.append(work)
@@ -292,7 +313,7 @@ def decoupled(workload: Workload, cluster: Cluster, pipe: int = 2, schedule: str
     drain = {"fdg": 2 * (pipe - 1), "ddg": pipe - 1, "sync": 0}[schedule]
     return Prediction(
         "decoupled",
-        {"pipe": pipe, "schedule": schedule},
+        {"pipe": pipe, "schedule": schedule, **({"wire_dtype": wire_dtype} if wire_dtype else {})},
         cluster.workers,
         step_s=step,
         samples_per_step=b * replicas,
@@ -301,7 +322,7 @@ def decoupled(workload: Workload, cluster: Cluster, pipe: int = 2, schedule: str
         payload_bytes=payload / pipe,
         blocked_s=step - min(compute),
         staleness=float(drain),
-        detail={"stage_s": elapsed, "stage_blocks": [len(s) for s in stages]},
+        detail={"stage_s": elapsed, "stage_blocks": [len(s) for s in stages], "drain": drain},
     )
 
 

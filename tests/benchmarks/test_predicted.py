@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.predicted import predict_run, predicted_table
-from lightning_hier.models.networks import mlp
+from benchmarks.predicted import predict_run, predicted_bytes, predicted_table
+from lightning_hier.models.networks import mlp, small_cnn
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "results.json"
 
@@ -39,8 +39,8 @@ def test_the_table_predicts_every_modelled_run_and_marks_the_others():
     rows = {line.split(" | ")[0].lstrip("| "): line for line in table.splitlines()[2:]}
     assert "calibration" in rows["no-comm"]
     for label in ("ddp", "hpsgd", "hpsgd-w4", "localsgd"):
-        assert rows[label].count(" - |") <= 2, rows[label]  # DDP: no CommStats payload, so no payload error
-    assert rows["ddp+powersgd"].count(" - |") == 8
+        assert rows[label].count(" - |") <= 3, rows[label]  # DDP: no CommStats payload error; no load recorded
+    assert rows["ddp+powersgd"].count(" - |") == 9  # nor its load: recorded before runs measured it
 
 
 def test_no_prediction_without_the_model_size():
@@ -70,3 +70,99 @@ def test_the_calibration_leaves_out_the_no_comm_runs_own_rounds():
     all_reduce_s = 2 * 50e-6 + per_epoch * 8 / (0.944 * 100e6)  # ring, 2 ranks: 2 alpha + n / bandwidth
     compute = (reference["train_s"] - reference["epochs"] * all_reduce_s) / reference["steps"]
     assert p is not None and p.step_s == pytest.approx(compute, rel=1e-9)
+
+
+def test_the_table_prints_each_runs_share_of_time_queued_for_its_core():
+    result = _mlp_result()
+    result["runs"]["ddp"]["queued_share"] = 0.314
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in predicted_table(result, world=2).splitlines()[2:]}
+    assert rows["ddp"].endswith("| 31% |") and rows["localsgd"].endswith("| - |")
+
+
+def _dbs_result(steps: int) -> dict:
+    """A 2-rank DBS run with rank 1 at half speed, ``steps`` steps of 128 samples per rank."""
+    model = {"parameters": 545_194, "float_buffers": 192, "tensors": 10}
+    run = {"steps": steps, "epochs": 1, "samples": steps * 256, "train_s": steps * 0.5, "model": model}
+    config = {"rebalance_every": 20, "warmup_steps": 5, "initial_sizes": None}
+    return {
+        "link": "unlimited",
+        "straggler": {"ranks": [1], "factor": 2.0},
+        "runs": {"no-comm": dict(run), "dbs": {**run, "strategy": "dbs", "strategy_config": config}},
+    }
+
+
+def test_dbs_keeps_equal_sizes_until_its_first_rebalance():
+    """DBS rebalances first after warmup_steps + rebalance_every = 25 steps: a 48-step fit runs 25
+    at equal sizes (paced by the straggler) and 23 at the speed-proportional shares."""
+    short, long = _dbs_result(20), _dbs_result(48)
+    before = predict_run("dbs", short["runs"]["dbs"], short, world=2)
+    fit = predict_run("dbs", long["runs"]["dbs"], long, world=2)
+    assert before is not None and fit is not None
+    assert before.step_s == pytest.approx(before.detail["initial_step_s"])  # never rebalanced
+    initial, steady = fit.detail["initial_step_s"], fit.detail["steady_step_s"]
+    assert steady < initial and fit.step_s == pytest.approx((25 * initial + 23 * steady) / 48)
+
+
+def _structured_result(net, strategy: str, config: dict, batch: int) -> dict:
+    """A 2-rank run of ``strategy`` (``batch`` samples per step) beside its no-comm run (128 per rank and step)."""
+    words = [p.numel() for p in net.parameters()]
+    model = {"parameters": sum(words), "float_buffers": 0, "tensors": len(words), "tensor_words": words}
+    reference = {
+        "steps": 24,
+        "epochs": 1,
+        "samples": 24 * 256,
+        "train_s": 24 * 0.3,
+        "model": model,
+        "samples_per_s": 1.0,
+    }
+    run = {**reference, "samples": 24 * batch, "strategy": strategy, "strategy_config": config}
+    return {"link": "1gbit", "runs": {"no-comm": reference, strategy: run}}
+
+
+def test_the_pipeline_is_predicted_from_the_presets_blocks_over_its_epoch_drain_included():
+    result = _structured_result(small_cnn((3, 32, 32), 10), "decoupled", {"stages": 2, "schedule": "fdg"}, 256)
+    p = predict_run("decoupled", result["runs"]["decoupled"], result, world=2)
+    assert p is not None and p.args["pipe"] == 2 and p.samples_per_step == 256  # one replica of 2 stages
+    # the epoch: 24 trained iterations and a drain of 2 (K - 1) = 2, on the clock of the 24
+    assert p.detail["drain"] == 2 and p.steps_per_epoch == 26
+    assert p.step_s == pytest.approx(26 * max(p.detail["stage_s"]) / 24, rel=0.02)
+    run = result["runs"]["decoupled"]
+    run.update(bytes_per_epoch=1.0, payload_bytes=[26 * p.payload_bytes] * 2, samples_per_s=1.0)
+    row = next(line for line in predicted_table(result, world=2).splitlines() if line.startswith("| decoupled |"))
+    assert row.split(" | ")[9] == "+0%"  # the drain's iterations send their activations too
+
+
+def test_the_grid_is_predicted_from_the_presets_layer_list_and_other_networks_are_not():
+    result = _structured_result(mlp((3, 32, 32), 10, hidden=(2048,) * 3), "grid2d", {"grid": [2, 1]}, 256)
+    shards = [3145728, 1024, 2097152, 1024, 2097152, 1024, 10240, 5]  # what a grid run records: its own shards
+    result["runs"]["grid2d"]["model"] = {**result["runs"]["grid2d"]["model"], "tensor_words": shards}
+    p = predict_run("grid2d", result["runs"]["grid2d"], result, world=2)
+    assert p is not None and p.args["grid"] == (2, 1) and p.samples_per_step == 256
+    other = _structured_result(mlp((3, 32, 32), 10, hidden=(512,)), "grid2d", {"grid": [2, 1]}, 256)
+    assert predict_run("grid2d", other["runs"]["grid2d"], other, world=2) is None  # no preset of that network
+
+
+def test_each_validations_consensus_is_on_the_training_clock():
+    """HPSGD builds a consensus model (one all-reduce of the 21 MB MLP) at every validation: at
+    100 Mbit/s that takes 21 MB * 8 / 94.4 Mbit/s = 1.78 s per epoch, spread over the epoch's steps.
+    Local SGD with tau = 4 ends its epochs on a round and needs none."""
+    result = _mlp_result()
+    run = result["runs"]["hpsgd-w4"]
+    p = predict_run("hpsgd-w4", run, result, world=2)
+    assert p is not None
+    model_bytes = 4 * run["model"]["parameters"]
+    assert p.detail["consensus_s"] == pytest.approx(model_bytes * 8 / (0.944 * 100e6), rel=1e-6)
+    local = predict_run("localsgd", result["runs"]["localsgd"], result, world=2)
+    assert local is not None and "consensus_s" not in local.detail
+
+
+def test_easgds_end_of_fit_catch_up_is_one_more_model_of_payload():
+    """grawa_cnn at 1 Gbit/s (benchmarks/results/sim18c/grawa_1g.json): EASGD, tau 4, 32 steps,
+    CommStats counted 9 models (8 rounds and the center's catch-up at the end of the fit)."""
+    result = json.loads((RESULTS.parent / "sim18c" / "grawa_1g.json").read_text())["workloads"]["grawa_cnn"]
+    run = result["runs"]["easgd"]
+    p = predict_run("easgd", run, result, world=2)
+    assert p is not None
+    _, payload = predicted_bytes(p, run, result)
+    assert payload == pytest.approx(run["payload_bytes"][0], rel=0.005)
+    assert payload == pytest.approx(9 * 4 * run["model"]["parameters"], rel=0.005)

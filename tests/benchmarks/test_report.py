@@ -250,3 +250,11 @@ def test_the_table_divides_by_the_single_process_run_of_the_same_invocation():
     # without that run the column is not there
     del runs[ONE_PROCESS]
     assert "x one process" not in workload_table(W, {"runs": runs, "comparison": compare(W, runs)})
+
+
+def test_summary_keeps_the_ranks_mean_share_of_the_fit_queued_for_their_cores():
+    job = _job(20.0, [0.5], [1, 1])
+    assert summarize(Scenario("grawa_cnn", BASELINE), job)["queued_share"] is None  # not recorded
+    for rank, queued in zip(job.ranks, (2.0, 9.0), strict=True):
+        rank["queued_s"], rank["wall_s"] = queued, 20.0
+    assert summarize(Scenario("grawa_cnn", BASELINE), job)["queued_share"] == pytest.approx(0.275)

@@ -109,6 +109,11 @@ def test_one_straggler_paces_synchronous_steps_and_dbs_rebalances_it():
     dbs = predict("dbs", w, c)
     assert dbs.step_s == pytest.approx(4 * 32 * 3e-3 / (3 + 1 / factor))
     assert dbs.detail["shares"][-1] == pytest.approx(128 / (3 + 1 / factor) / factor)
+    # before its first rebalance DBS keeps equal sizes: the straggler paces it as it paces DDP
+    equal = predict("dbs", w, c, shares=[32] * 4)
+    assert equal.step_s == pytest.approx(factor * t) and equal.detail["shares"] == [32.0] * 4
+    with pytest.raises(ValueError, match=r"dbs: `shares` must be 4 positive batch sizes .* got \[32, 32\]"):
+        predict("dbs", w, c, shares=[32, 32])
 
 
 def test_averaging_bytes_per_round():
@@ -149,6 +154,15 @@ def test_decoupled_pipeline_runs_at_its_slowest_stage():
     sync = predict("decoupled", w, Cluster(2, FREE), pipe=2, schedule="sync")
     assert sync.step_s == pytest.approx(16 * 4e-3)
     assert p.payload_bytes == pytest.approx((16 * 50 * 4 + 16 * 8 + 16 * 50 * 4) / 2)  # activations+labels, gradients
+    # a slow link: the boundary's activations (+ int64 labels) and gradients cross it one after the other
+    slow = Cluster(2, Link(alpha=0.0, beta=4e-5))  # 1e-5 s per byte
+    crossing = (16 * 50 * 4 + 16 * 8) * 1e-5 + 16 * 50 * 4 * 1e-5  # stages [block 0] | [blocks 1, 2]: 50 words
+    assert crossing > 16 * 2e-3
+    assert predict("decoupled", w, slow, pipe=2).step_s == pytest.approx(crossing)
+    bf16 = predict("decoupled", w, Cluster(2, FREE), pipe=2, wire_dtype="bf16")  # 2-byte activations, int64 labels
+    assert bf16.payload_bytes == pytest.approx((16 * 50 * 2 + 16 * 8 + 16 * 50 * 2) / 2)
+    with pytest.raises(ValueError, match=r"decoupled: `wire_dtype` must be None or 'bf16', got 'fp8'"):
+        predict("decoupled", w, Cluster(2, FREE), wire_dtype="fp8")
 
 
 def test_bad_input_names_the_argument():

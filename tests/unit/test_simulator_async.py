@@ -77,6 +77,9 @@ def test_a_2x_straggler_hand_derived_per_worker_staleness():
     assert d.detail["shares"] == pytest.approx([128 / 3, 64 / 3])
     assert d.detail["cycle_s"] == pytest.approx([4 / 3 * T, 4 / 3 * T])
     assert d.staleness == pytest.approx(1.0)
+    # with equal sizes (before DBS's first rebalance) it is ASGD: the slow worker's cycle is 2 t
+    e = predict("dbs_async", _workload(), c, **ALONE, shares=[32, 32])
+    assert e.detail["cycle_s"] == pytest.approx(p.detail["cycle_s"]) and e.step_s == pytest.approx(p.step_s)
 
 
 def test_staleness_is_w_minus_1_on_average_whatever_the_speeds_while_all_are_busy():

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from lightning_hier.simulator import Workload
-from lightning_hier.simulator.__main__ import main
+from lightning_hier.simulator.__main__ import build_model, load_workload, main
 
 
 @pytest.fixture
@@ -64,3 +64,12 @@ def test_predict_with_jitter_slows_ddp_and_refuses_a_negative_one(capsys):
     assert rows["0.05"] < rows["0"]
     with pytest.raises(SystemExit, match=r"`--jitter` must be >= 0 seconds, got -1.0"):
         main(["predict", "--workload", "cnn", "--jitter", "-1"])
+
+
+@pytest.mark.parametrize("preset", ["cnn", "mlp"])
+def test_presets_carry_their_models_tensor_sizes(preset):
+    """DDP's bucket model needs every tensor's size: the presets' must be their own network's, in order."""
+    w = load_workload(preset)
+    model = build_model(w.model)
+    assert w.tensor_words == tuple(p.numel() for p in model.parameters() if p.requires_grad)
+    assert sum(w.tensor_words) == w.params and len(w.tensor_words) == w.tensors
