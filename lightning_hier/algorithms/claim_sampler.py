@@ -33,10 +33,10 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils.data import DataLoader, IterableDataset, Sampler
+from torch.utils.data import DataLoader, Sampler
 from typing_extensions import override
 
-from lightning_hier.algorithms.dbs_sampler import sampling_of, with_batch_sampler
+from lightning_hier.algorithms.dbs_sampler import ordinary_sampling, with_batch_sampler
 from lightning_hier.algorithms.dbs_split import check_split, split_batch
 from lightning_hier.algorithms.param_server import Request
 from lightning_hier.resumable import ResumePoint
@@ -253,10 +253,8 @@ def claim_batch_loader(
     """
     if isinstance(loader.batch_sampler, ClaimBatchSampler):
         return loader
-    if isinstance(loader.dataset, IterableDataset):
-        raise TypeError(f"{owner}: a shared queue of samples needs a map-style dataset, got an IterableDataset.")
-    shuffle, seed = sampling_of(loader, seed, owner)
-    drop_last = bool(loader.batch_sampler.drop_last)  # type: ignore[union-attr]  # a BatchSampler (sampling_of)
-    num_samples = len(loader.dataset)  # type: ignore[arg-type]
-    sampler = ClaimBatchSampler(num_samples, batch_size, claim, shuffle, seed, drop_last, on_batch)
+    order = ordinary_sampling(loader, seed, owner)
+    sampler = ClaimBatchSampler(
+        order.num_samples, batch_size, claim, order.shuffle, order.seed, order.drop_last, on_batch
+    )
     return with_batch_sampler(loader, sampler)

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils.data import (
@@ -239,11 +239,8 @@ def dynamic_batch_loader(loader: DataLoader[Any], allocation: Allocation, seed: 
     """
     if isinstance(loader.batch_sampler, DynamicBatchSampler):
         return loader
-    if isinstance(loader.dataset, IterableDataset):
-        raise TypeError("DBS needs a map-style dataset (with __getitem__ and __len__), got an IterableDataset.")
-    shuffle, seed = sampling_of(loader, seed)
-    drop_last = bool(loader.batch_sampler.drop_last)  # type: ignore[union-attr]  # a BatchSampler (sampling_of)
-    sampler = DynamicBatchSampler(len(loader.dataset), allocation, shuffle, seed, drop_last)  # type: ignore[arg-type]
+    order = ordinary_sampling(loader, seed, "DBS")
+    sampler = DynamicBatchSampler(order.num_samples, allocation, order.shuffle, order.seed, order.drop_last)
     return with_batch_sampler(loader, sampler)
 
 
@@ -266,12 +263,33 @@ def with_batch_sampler(loader: DataLoader[Any], batch_sampler: Sampler[list[int]
     )
 
 
-def sampling_of(loader: DataLoader[Any], seed: int, owner: str = "DBS") -> tuple[bool, int]:
-    """``(shuffle, seed)`` of an ordinary loader; a clear error (naming ``owner``) for other samplers.
+class Sampling(NamedTuple):
+    """How an ordinary DataLoader draws its samples (see :func:`ordinary_sampling`)."""
+
+    num_samples: int
+    shuffle: bool
+    seed: int
+    drop_last: bool
+
+
+def ordinary_sampling(loader: DataLoader[Any], seed: int, owner: str) -> Sampling:
+    """The dataset's length and the ``shuffle``, ``seed`` and ``drop_last`` of an ordinary loader.
 
     A strategy that chooses every rank's batches itself replaces the loader's sampler by one that
-    draws the same per-epoch order; only samplers whose order it can reproduce are accepted.
+    draws the same per-epoch order; only map-style datasets and samplers whose order it can
+    reproduce are accepted, with a clear error naming ``owner`` for the others.
+
+    Raises:
+        TypeError: The dataset is iterable, or the loader has a custom sampler or batch sampler.
     """
+    if isinstance(loader.dataset, IterableDataset):
+        raise TypeError(f"{owner} needs a map-style dataset (with __getitem__ and __len__), got an IterableDataset.")
+    shuffle, seed = _shuffle_and_seed(loader, seed, owner)
+    drop_last = bool(loader.batch_sampler.drop_last)  # type: ignore[union-attr]  # a BatchSampler (checked)
+    return Sampling(len(loader.dataset), shuffle, seed, drop_last)  # type: ignore[arg-type]
+
+
+def _shuffle_and_seed(loader: DataLoader[Any], seed: int, owner: str) -> tuple[bool, int]:
     custom = (
         f"{owner} chooses every rank's batches itself, so it replaces the training DataLoader's sampler; "
         "it cannot keep {}. Use an ordinary DataLoader(dataset, batch_size=..., shuffle=...)."
