@@ -36,7 +36,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Sampler
 from typing_extensions import override
 
-from lightning_hier.algorithms.dbs_sampler import ordinary_sampling, with_batch_sampler
+from lightning_hier.algorithms.dbs_sampler import epoch_order, ordinary_sampling, with_batch_sampler
 from lightning_hier.algorithms.dbs_split import check_split, split_batch
 from lightning_hier.algorithms.param_server import Request
 from lightning_hier.resumable import ResumePoint
@@ -209,9 +209,7 @@ class ClaimBatchSampler(ResumePoint, Sampler[list[int]]):
         return self
 
     def _order(self, epoch: int) -> Tensor:
-        if not self.shuffle:
-            return torch.arange(self.num_samples)
-        return torch.randperm(self.num_samples, generator=torch.Generator().manual_seed(self.seed + epoch))
+        return epoch_order(self.num_samples, self.shuffle, self.seed, epoch)
 
     @override
     def __iter__(self) -> Iterator[list[int]]:

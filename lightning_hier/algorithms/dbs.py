@@ -65,6 +65,7 @@ from lightning_hier.comm import CommStats, FlatTensors, all_reduce_sum_, group_s
 from lightning_hier.comm.collectives import Group
 
 TIMERS = ("wall", "cpu", "thread")
+SPANS = ("compute", "iteration")
 # what each timer reads; the CPU clocks stand still while blocked, so only wall time has waits taken out
 _CLOCKS: dict[str, Callable[[], float]] = {
     "wall": time.perf_counter,
@@ -118,6 +119,13 @@ class DynamicBatchSize:
             work in background threads (a parameter server's threads), which ``'cpu'`` would count as
             this rank's compute; intra-op threads of torch are left out too, so use it with
             ``torch.set_num_threads(1)`` or tensors too small to be split.
+        span: What a step's time spans. ``'compute'``: from its first batch to the end of its
+            optimizer step, without the time blocked in collectives (a wait for a slower rank is
+            not this rank's slowness). ``'iteration'``: from the end of the previous step, with
+            everything between (data, Lightning's loop) and every wait (for an asynchronous
+            worker the round trips to its parameter server are its own cost, and equal iteration
+            times are what equalise the staleness); the first step after :meth:`restart` spans
+            only itself.
     """
 
     def __init__(
@@ -134,11 +142,12 @@ class DynamicBatchSize:
         bucket_bytes: int | None = None,
         stats: CommStats | None = None,
         timer: str = "wall",
+        span: str = "compute",
     ) -> None:
-        if rebalance_every < 1 or warmup_steps < 0 or timer not in TIMERS:
+        if rebalance_every < 1 or warmup_steps < 0 or timer not in TIMERS or span not in SPANS:
             raise ValueError(
-                f"DynamicBatchSize: need rebalance_every >= 1, warmup_steps >= 0 and timer in {TIMERS}, got "
-                f"{rebalance_every}, {warmup_steps} and {timer!r}."
+                f"DynamicBatchSize: need rebalance_every >= 1, warmup_steps >= 0, timer in {TIMERS} and span in "
+                f"{SPANS}, got {rebalance_every}, {warmup_steps}, {timer!r} and {span!r}."
             )
         self.params = [p for p in params if p.requires_grad]
         self.device = self.params[0].device if self.params else torch.device("cpu")
@@ -155,6 +164,8 @@ class DynamicBatchSize:
         self.flat_buffers = FlatTensors(extra, bucket_bytes) if extra else None
         self.timer = timer
         self.clock = _CLOCKS[timer]
+        self.span = span
+        self._last_end: tuple[float, float] | None = None  # (time, blocked seconds) at the last step's end
         self.allocation: Allocation | None = None
         self.steps = 0
         self.rebalances = 0
@@ -208,7 +219,7 @@ class DynamicBatchSize:
         if self.allocation is None:
             raise RuntimeError("DynamicBatchSize: call bind() and train with DynamicBatchSampler batches.")
         if self._window is None:
-            self._window = (self.clock(), self.stats.blocked_s)
+            self._window = self._last_end or (self.clock(), self.stats.blocked_s)
         samples, total = self.allocation.consume_share()
         self._window_samples += samples
         self._window_total += total
@@ -277,17 +288,23 @@ class DynamicBatchSize:
         _synchronize(self.device)  # count the optimizer step's GPU work in this step
         # a smaller last batch is no throughput sample: fixed per-step costs would dominate it
         measured = self._window is not None and not self._window_partial
+        now = self.clock()  # one reading ends this step and, for span='iteration', starts the next
         if measured and self.steps > self.warmup_steps and not self._fresh:
             assert self._window is not None
             start, blocked = self._window
             idle = self.stats.blocked_s - blocked
             # CPU time does not advance while blocked; wall time must have the wait taken out
-            compute = self.clock() - start - (idle if self.timer == "wall" else 0.0)
-            self.meter.add(self._window_samples, compute, idle)
+            waits = idle if self.timer == "wall" and self.span == "compute" else 0.0
+            self.meter.add(self._window_samples, now - start - waits, idle)
         self._fresh = False
+        self._last_end = (now, self.stats.blocked_s) if self.span == "iteration" else None
         self._window = None
         self._window_samples = self._window_total = 0
         self._window_weight, self._window_partial, self._loss_scale = None, False, 1.0
+
+    def restart(self) -> None:
+        """Training resumes after a pause (an epoch's end, validation): the next step spans only itself."""
+        self._last_end = None
 
     # ------------------------------------------------------------------ rebalance
     def due(self) -> bool:

@@ -31,6 +31,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
 import torch
+from torch import Tensor
 from torch.utils.data import (
     BatchSampler,
     DataLoader,
@@ -202,11 +203,7 @@ class DynamicBatchSampler(ResumePoint, Sampler[list[int]]):
     @override
     def __iter__(self) -> Iterator[list[int]]:
         skip = self._begin_iteration()
-        if self.shuffle:
-            g = torch.Generator().manual_seed(self.seed + self.epoch)
-            order = torch.randperm(self.num_samples, generator=g)
-        else:
-            order = torch.arange(self.num_samples)
+        order = epoch_order(self.num_samples, self.shuffle, self.seed, self.epoch)
         batch = self.allocation.global_batch
         full = self.num_samples // batch
         self.allocation.begin_epoch(start=min(skip, len(self)))
@@ -261,6 +258,18 @@ def with_batch_sampler(loader: DataLoader[Any], batch_sampler: Sampler[list[int]
         pin_memory_device=loader.pin_memory_device,
         in_order=loader.in_order,
     )
+
+
+def epoch_order(num_samples: int, shuffle: bool, seed: int, epoch: int) -> Tensor:
+    """The order of an epoch's samples, the same on every rank: ``randperm(N)`` seeded with ``seed + epoch``.
+
+    It is the order ``DistributedSampler`` draws, so a strategy's own sampler
+    (:class:`DynamicBatchSampler`, the shared queue's) visits the samples as Lightning's would;
+    ``arange(N)`` without ``shuffle``.
+    """
+    if not shuffle:
+        return torch.arange(num_samples)
+    return torch.randperm(num_samples, generator=torch.Generator().manual_seed(seed + epoch))
 
 
 class Sampling(NamedTuple):

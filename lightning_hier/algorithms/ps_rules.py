@@ -133,7 +133,8 @@ class SoftsyncHandler(AsgdHandler):
     synchronous SGD on the concatenated batches. With ``n > 1`` the reply is the current weights at
     once, as for Zhang et al.'s learners: a reply that waited for a smaller group could need a
     worker that already waits in a collective of the training loop (an epoch's end), a deadlock.
-    The average weights each gradient by its batch size (uniform when sizes are not given). When
+    The average weights each gradient by its batch size (uniform when sizes are not given, or with
+    ``by_batch_size=False``: for gradients the workers already weighed, as DBS-SGD's). When
     every worker has finished (or every worker still training waits), the pending gradients are
     applied as a smaller group: every pushed gradient is applied exactly once.
 
@@ -142,10 +143,14 @@ class SoftsyncHandler(AsgdHandler):
         workers: Number of workers ``W``.
         n: Softsync parameter in ``[1, W]``: ``n = 1`` synchronous, ``n = W`` asynchronous.
         staleness_lr: Scale an update's step by ``1 / mean staleness`` of its gradients (when > 1).
+        by_batch_size: Weigh each gradient of a group by its batch size (else: the plain mean).
     """
 
-    def __init__(self, model: FlatModel, workers: int, n: int, staleness_lr: bool = False) -> None:
+    def __init__(
+        self, model: FlatModel, workers: int, n: int, staleness_lr: bool = False, by_batch_size: bool = True
+    ) -> None:
         super().__init__(model, staleness_lr)
+        self.by_batch_size = by_batch_size
         if not 1 <= n <= workers:
             raise ValueError(f"SoftsyncHandler: `n` must be in [1, {workers}] (the number of workers), got {n}.")
         self.group_size = math.ceil(workers / n)
@@ -168,7 +173,8 @@ class SoftsyncHandler(AsgdHandler):
             return {}
         requests = [r for r, _ in self.pending]
         sizes = [float(r.batch_size) for r in requests]
-        weights = [b / sum(sizes) for b in sizes] if all(b > 0 for b in sizes) else [1 / len(sizes)] * len(sizes)
+        by_size = self.by_batch_size and all(b > 0 for b in sizes)
+        weights = [b / sum(sizes) for b in sizes] if by_size else [1 / len(sizes)] * len(sizes)
         grad = torch.zeros_like(self.pending[0][1])
         for w, (_, g) in zip(weights, self.pending, strict=True):
             grad.add_(g, alpha=w)

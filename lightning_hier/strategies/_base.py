@@ -343,6 +343,13 @@ class HierStrategy(FinishOnce, FiniteChecks, FailureHandling, CheckpointingStrat
         if module is not None and module._trainer is not None:
             self.data_position.batch_started(module.trainer.current_epoch, batch_idx)
 
+    @property
+    def _training_stage(self) -> bool:
+        """Whether the trainer is fitting (its training loop), not validating, testing or predicting."""
+        module = self.lightning_module
+        trainer = module._trainer if module is not None else None
+        return trainer is not None and trainer.state.stage == RunningStage.TRAINING
+
     @override
     def process_dataloader(self, dataloader: object) -> object:
         """Make the training DataLoader resumable mid-epoch, with its own generator for iterator seeds.
@@ -353,9 +360,7 @@ class HierStrategy(FinishOnce, FiniteChecks, FailureHandling, CheckpointingStrat
         draw. The generator is seeded without drawing from the global RNG. The sampler resumes
         at the checkpoint's batch (:mod:`lightning_hier.strategies._data_position`).
         """
-        trainer = self.lightning_module._trainer if self.lightning_module is not None else None
-        training = trainer is not None and trainer.state.stage == RunningStage.TRAINING
-        if training and isinstance(dataloader, DataLoader):
+        if self._training_stage and isinstance(dataloader, DataLoader):
             if dataloader.generator is None:
                 seed = (torch.initial_seed() + 1_000_003 * self.global_rank) % 2**63
                 dataloader.generator = torch.Generator().manual_seed(seed)

@@ -22,7 +22,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
-from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.trainer.states import TrainerFn
 from torch.utils.data import DataLoader, IterableDataset
 from typing_extensions import override
 
@@ -41,6 +41,8 @@ if TYPE_CHECKING:
     from lightning.pytorch.callbacks import Callback
     from torch import Tensor, nn
     from torch.optim import Optimizer
+
+    from lightning_hier.algorithms.dbs_sampler import Allocation
 
 
 class DBSShares(HierStrategy):
@@ -230,19 +232,20 @@ class DBSShares(HierStrategy):
     @override
     def process_dataloader(self, dataloader: object) -> object:
         """Training loader: batches from the strategy's allocation; other stages: unchanged."""
-        module = self.lightning_module
-        stage = module.trainer.state.stage if module is not None and module._trainer is not None else None
-        if stage != RunningStage.TRAINING:
+        if not self._training_stage:
             return dataloader
         if not isinstance(dataloader, DataLoader):
             raise TypeError(
                 f"{type(self).__name__}: the training data must be a torch DataLoader over a map-style dataset, "
                 f"got {type(dataloader).__name__}."
             )
-        # every rank raises the same error here, before any collective of the fit, so none hangs
-        global_batch = self._check_training_loader(dataloader)
-        allocation = self._build_shares().bind(global_batch)
+        allocation = self._training_allocation(dataloader)
         return super().process_dataloader(dynamic_batch_loader(dataloader, allocation, seed=global_seed()))
+
+    def _training_allocation(self, dataloader: DataLoader[Any]) -> Allocation:
+        """The allocation of the training loader's global batch (built on first use)."""
+        # every rank raises the same error here, before any collective of the fit, so none hangs
+        return self._build_shares().bind(self._check_training_loader(dataloader))
 
     # ------------------------------------------------------------------ per step
     @override

@@ -17,13 +17,14 @@ from typing_extensions import override
 
 from lightning_hier.algorithms.claim_sampler import ClaimQueue, ServerShares
 from lightning_hier.algorithms.ps_link import served_workers
-from lightning_hier.algorithms.ps_rules import AsgdHandler
+from lightning_hier.algorithms.ps_rules import AsgdHandler, SoftsyncHandler
 from lightning_hier.strategies._ps_adapter import HandlerFactory
 from lightning_hier.strategies.dbs import DBSStrategy
-from lightning_hier.strategies.param_server import ParameterServerWorker
+from lightning_hier.strategies.param_server import ParameterServerWorker, check_softsync_n, check_softsync_workers
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
+    from torch import nn
     from torch.optim import Optimizer
     from torch.utils.data import DataLoader
 
@@ -35,8 +36,14 @@ class AsyncDBSStrategy(ParameterServerWorker, DBSStrategy):
     ``W * b_w / B``: with equal shares every push counts as in ASGD, and a rank with twice the
     share moves the model twice as far, as its gradient stands for twice the samples. The split is
     rebalanced every ``rebalance_every`` steps from the measured speeds (an all-gather of ``W``
-    floats: the one point where the workers meet besides validation and checkpoints); the wait for
-    the server's reply is not counted as compute time. With ``timer='cpu'`` the compute time is the
+    floats: the one point where the workers meet besides validation and checkpoints). A rank's
+    speed is its samples over its whole iteration, from the end of its previous step to the end of
+    this one (``span='iteration'`` of :class:`~lightning_hier.algorithms.dbs.DynamicBatchSize`):
+    the round trips to the server (its push, under ``sampler='shared'`` its claim) are part of a
+    worker's iteration, and equal iteration times, not equal compute times, give every worker the
+    same staleness (rank 0 reaches the server without a message, so timed on compute alone the
+    remote workers iterated more slowly than their shares assumed). The first step of an epoch
+    and after a validation is timed alone. With ``timer='cpu'`` the time is the
     CPU time of each rank's training thread (``'thread'``), not of its process: rank 0's process
     also runs the server's threads, whose work would otherwise count as rank 0's compute and shrink
     its share (torch's intra-op threads are left out as well: use ``torch.set_num_threads(1)``).
@@ -55,9 +62,19 @@ class AsyncDBSStrategy(ParameterServerWorker, DBSStrategy):
     Its gradient weighs ``W * b / B`` for a claim of ``b`` samples. ``dbs/...`` rebalance metrics
     are not logged then; the server's ``ps/worker{w}/batch_size`` are.
 
+    With ``n`` the server is n-softsync's instead of ASGD's (Zhang et al., IJCAI 2016): it applies
+    the plain mean of every ``ceil(W / n)`` pushed gradients, each already weighted ``W * b / B``,
+    so an update moves the model by the same step per sample as ``softsync`` with equal shares and
+    ``n = 1`` is synchronous DBS (``dbs``) through the server. The allocation is independent of
+    the server's rule; this compares DBS-SGD with n-softsync at the same ``n``. Every pushed
+    gradient counts in the staleness whatever the rule, so the mean staleness per push is
+    ``(W - 1) / ceil(W / n)`` whatever the shares: DBS lowers each worker's mean and the maximum.
+
     Args:
         sampler: ``'split'`` (default; the DBS sampler: every rank the same number of steps) or
             ``'shared'`` (above).
+        n: ``None`` (default): the ASGD server. An integer in ``[1, W]`` (the workers): the
+            n-softsync server (``n >= 2`` with ``sampler='shared'``).
         **kwargs: See :class:`~lightning_hier.strategies.dbs.DBSStrategy`.
 
     Example:
@@ -69,13 +86,24 @@ class AsyncDBSStrategy(ParameterServerWorker, DBSStrategy):
     strategy_name = "dbs_async"
     _claim_batch = 0
 
-    def __init__(self, sampler: str = "split", **kwargs: Any) -> None:
+    def __init__(self, sampler: str = "split", n: int | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._init_server(self.server, sampler)
+        self.n = None if n is None else check_softsync_n(self, n)
+
+    @override
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        if self.n is not None:
+            check_softsync_workers(self, self.n)
 
     @override
     def _handler(self) -> HandlerFactory:
-        return lambda model, _: AsgdHandler(model)
+        n = self.n
+        if n is None:
+            return lambda model, _: AsgdHandler(model)
+        # the pushes carry DBS's weights already: the group's plain mean keeps them
+        return lambda model, workers: SoftsyncHandler(model, workers, n, by_batch_size=False)
 
     @override
     def _push_weight(self) -> float:
@@ -89,7 +117,7 @@ class AsyncDBSStrategy(ParameterServerWorker, DBSStrategy):
 
     @override
     def _claim_size(self, loader: DataLoader[Any]) -> tuple[int, Callable[[int], None] | None]:
-        allocation = self._build_shares().bind(self._check_training_loader(loader))
+        allocation = self._training_allocation(loader)
         self._claim_batch = allocation.global_batch
         return 0, allocation.take_claimed  # 0: the server sizes each claim
 
@@ -110,6 +138,17 @@ class AsyncDBSStrategy(ParameterServerWorker, DBSStrategy):
         if self.shares is not None and self.shares.due():
             self.shares.measure()  # the new estimate goes to the server with the next claims
         return None
+
+    @override
+    def _shares_arguments(self, module: nn.Module) -> dict[str, Any]:
+        # equal iteration times, round trips to the server included, are what equalise the staleness
+        return super()._shares_arguments(module) | {"span": "iteration"}
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self.shares is not None and (batch_idx == 0 or self.ps is None or not self.ps.running):
+            self.shares.restart()  # the time since the last step holds a pause: an epoch's end, validation
+        super().on_train_batch_start(batch, batch_idx)
 
     @override
     def _setup_algorithm(self, trainer: pl.Trainer) -> None:

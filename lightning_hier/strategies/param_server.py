@@ -20,7 +20,6 @@ from contextlib import contextmanager, suppress
 from typing import TYPE_CHECKING, Any
 
 import torch
-from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.data import extract_batch_size
 from torch.utils.data import DataLoader
 from typing_extensions import override
@@ -68,12 +67,6 @@ class ParameterServerWorker(HierStrategy):
                 "but server='dedicated' makes rank 0 only serve, in step with the workers; use server='rank0' "
                 "or sampler='split'."
             )
-
-    @property
-    def _training_stage(self) -> bool:
-        module = self.lightning_module
-        trainer = module._trainer if module is not None else None
-        return trainer is not None and trainer.state.stage == RunningStage.TRAINING
 
     @property
     def num_workers(self) -> int:
@@ -347,27 +340,45 @@ class SoftsyncStrategy(ParameterServerWorker):
         self, n: int = 1, staleness_lr: bool = False, server: str = "rank0", sampler: str = "split", **kwargs: Any
     ) -> None:
         super().__init__(**kwargs)
-        owner = type(self).__name__
-        self.n = v.check_int(owner, "n", n, minimum=1)
-        self.staleness_lr = v.check_bool(owner, "staleness_lr", staleness_lr)
+        self.staleness_lr = v.check_bool(type(self).__name__, "staleness_lr", staleness_lr)
         self._init_server(server, sampler)
-        if self.sampler == "shared" and self.n == 1:
-            raise ValueError(
-                f"{owner}: argument `n`=1 (synchronous) cannot run with sampler='shared': each reply waits for a "
-                "gradient of every worker, and with a shared queue the workers' epochs end after different "
-                "numbers of steps; use n >= 2 or sampler='split'."
-            )
+        self.n = check_softsync_n(self, n)
 
     @override
     def _configure_launcher(self) -> None:
         super()._configure_launcher()
-        workers = self.num_workers  # in the main process, before any rank starts
-        if self.n > workers:
-            what = "the number of ranks" if self.server == "rank0" else "the number of ranks but rank 0, the server"
-            raise ValueError(
-                f"{type(self).__name__}: argument `n` must be an integer in [1, {workers}] ({what}), got {self.n}."
-            )
+        check_softsync_workers(self, self.n)  # in the main process, before any rank starts
 
     @override
     def _handler(self) -> HandlerFactory:
         return lambda model, workers: SoftsyncHandler(model, workers, self.n, self.staleness_lr)
+
+
+def check_softsync_n(strategy: ParameterServerWorker, n: int) -> int:
+    """``n`` of n-softsync, checked at construction (after :meth:`ParameterServerWorker._init_server`).
+
+    Raises:
+        ValueError: ``n`` is not an integer >= 1, or it is 1 with ``sampler='shared'``.
+    """
+    owner = type(strategy).__name__
+    n = v.check_int(owner, "n", n, minimum=1)
+    if strategy.sampler == "shared" and n == 1:
+        raise ValueError(
+            f"{owner}: argument `n`=1 (synchronous) cannot run with sampler='shared': each reply waits for a "
+            "gradient of every worker, and with a shared queue the workers' epochs end after different "
+            "numbers of steps; use n >= 2 or sampler='split'."
+        )
+    return n
+
+
+def check_softsync_workers(strategy: ParameterServerWorker, n: int) -> None:
+    """``n`` against the number of workers, when the launcher is configured (before any rank starts).
+
+    Raises:
+        ValueError: ``n`` exceeds the number of workers.
+    """
+    workers = strategy.num_workers
+    if n > workers:
+        what = "the number of ranks" if strategy.server == "rank0" else "the number of ranks but rank 0, the server"
+        owner = type(strategy).__name__
+        raise ValueError(f"{owner}: argument `n` must be an integer in [1, {workers}] ({what}), got {n}.")

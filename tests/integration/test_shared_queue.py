@@ -86,18 +86,20 @@ def test_shared_queue_trains_each_sample_once_and_fast_ranks_take_more_steps(nam
     assert stats["ps/applied"] == EPOCHS * N // BATCH, (stats, pushes)
 
 
-def _fit_dbs(rebalance_every: int, sleep_s: float) -> dict[str, Any]:
+def _fit_dbs(rebalance_every: int, sleep_s: float, n: int | None = None) -> dict[str, Any]:
     torch.manual_seed(0)
     module = Classifier(mlp((1, 8, 8), 10, hidden=(16,)), 10, lr=0.05)
     strategy = AsyncDBSStrategy(
-        sampler="shared", initial_sizes=[6, 4, 2], rebalance_every=rebalance_every, warmup_steps=1, timeout=30
+        sampler="shared", initial_sizes=[6, 4, 2], rebalance_every=rebalance_every, warmup_steps=1, timeout=30, n=n
     )
     data, slow = Indexed(), SlowRank(sleep_s)
     t = trainer(strategy=strategy, devices=WORLD, max_epochs=EPOCHS, callbacks=[slow])
     t.fit(module, DataLoader(data, batch_size=BATCH, shuffle=True))
     server = strategy.ps.server if strategy.ps is not None else None
     shares = server.core.claims.shares if server is not None and server.core.claims is not None else None
-    return {"seen": data.seen, "sizes": slow.sizes, "rebalances": shares.rebalances if shares is not None else None}
+    assert strategy.ps is not None
+    rebalances = shares.rebalances if shares is not None else None
+    return {"seen": data.seen, "sizes": slow.sizes, "rebalances": rebalances, "stats": strategy.ps.stats()}
 
 
 def test_dbs_async_shared_claims_are_sized_by_the_server():
@@ -106,11 +108,15 @@ def test_dbs_async_shared_claims_are_sized_by_the_server():
     for size, r in zip([6, 4, 2], fixed, strict=True):
         # every claim is the server's size for the rank; only an epoch's last claim may be cut short
         assert r["sizes"] and max(r["sizes"]) == size and sum(b != size for b in r["sizes"]) <= EPOCHS, r["sizes"]
-    # every rank reports its speed every 2 of its steps (no sleep: every rank takes enough steps to measure)
-    moving = run_workers(_fit_dbs, 2, 0.0, devices=WORLD, timeout=120)
+    assert fixed[0]["stats"]["ps/updates"] == fixed[0]["stats"]["ps/applied"]  # ASGD's server: one push, one update
+    # every rank reports its speed every 2 of its steps (no sleep: every rank takes enough steps to measure);
+    # the 2-softsync server (n=2 of 3 workers) applies pushes in pairs, the last of a pause alone
+    moving = run_workers(_fit_dbs, 2, 0.0, 2, devices=WORLD, timeout=120)
     assert sorted(i for r in moving for i in r["seen"]) == sorted(list(range(N)) * EPOCHS)
     assert moving[0]["rebalances"] > 0  # the server re-split B from the reported speeds, with no all-gather
     assert any(set(r["sizes"]) - {b} for b, r in zip([6, 4, 2], moving, strict=True))
+    stats = moving[0]["stats"]
+    assert stats["ps/applied"] / 2 <= stats["ps/updates"] <= stats["ps/applied"] / 2 + EPOCHS, stats
 
 
 def _fit_resumable(ckpt_dir: str, epochs: int, resume: bool) -> dict[str, Any]:
@@ -195,7 +201,8 @@ def test_shared_queue_rejects_per_step_trainer_options(option, message):
 def test_shared_queue_rejects_dedicated_server_and_synchronous_softsync():
     with pytest.raises(ValueError, match=r"sampler.*'shared'.*dedicated"):
         AsgdStrategy(sampler="shared", server="dedicated")
-    with pytest.raises(ValueError, match="`n`=1"):
-        SoftsyncStrategy(n=1, sampler="shared")
+    for cls in (SoftsyncStrategy, AsyncDBSStrategy):
+        with pytest.raises(ValueError, match=f"{cls.__name__}: argument `n`=1"):
+            cls(n=1, sampler="shared")
     with pytest.raises(ValueError, match="sampler"):
         AsgdStrategy(sampler="queue")

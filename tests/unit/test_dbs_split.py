@@ -1,7 +1,10 @@
 """DBS arithmetic: the batch split, shard sizes and the throughput EMA, against independent references."""
 
+import itertools
 import math
 import random
+import threading
+import time
 
 import pytest
 
@@ -181,3 +184,56 @@ def test_initial_sizes_are_the_first_split_and_are_checked_against_the_global_ba
     restored = DynamicBatchSize([], None, initial_sizes=[7])
     restored.load_state_dict({**dbs.state_dict(), "sizes": [9]})
     assert restored.bind(9).sizes == [9]  # a checkpoint's split takes precedence
+
+
+@pytest.mark.parametrize(
+    ("span", "expected_s"),
+    [
+        ("compute", [1.0, 1.0, 1.0]),  # batch start to step end, the 0.5 s wait for the server taken out
+        # from the previous step's end: + the 2 s between steps and the wait; the step after restart() alone
+        ("iteration", [3.5, 3.5, 1.5]),
+    ],
+)
+def test_a_step_spans_its_compute_or_its_whole_iteration(span, expected_s):
+    now = [0.0]
+    dbs = DynamicBatchSize([], None, warmup_steps=0, rebalance_every=100, span=span)
+    dbs.clock = lambda: now[0]
+    allocation = dbs.bind(4)
+    measured = []
+    for step in range(4):
+        allocation.take_claimed(4)  # what the sampler does when it hands the loop a batch
+        if step == 3:
+            dbs.restart()  # e.g. a validation ran since the last step
+        now[0] += 2.0  # data, the loop, a claim: between steps
+        dbs.begin_micro_batch()
+        now[0] += 1.5  # compute and the push, of which 0.5 s blocked on the server's reply
+        dbs.stats.blocked_s += 0.5
+        dbs.end_step()
+        measured.append(dbs.meter.compute_s)
+    # the first step (fresh) is never measured; then each step's time adds to the window
+    assert [b - a for a, b in itertools.pairwise(measured)] == pytest.approx(expected_s)
+
+
+def test_span_is_checked():
+    with pytest.raises(ValueError, match=r"span in .*'compute', 'iteration'.*'step'"):
+        DynamicBatchSize([], None, span="step")
+
+
+def test_the_thread_timer_leaves_out_another_threads_work():
+    # rank 0's process runs the parameter server's threads beside its training thread: timer='thread'
+    # (what dbs_async reads for timer='cpu') must not count their CPU time, timer='cpu' does
+    dbs = DynamicBatchSize([], None, timer="thread")
+    burned = []
+
+    def server_work() -> None:
+        start = time.thread_time()
+        while time.thread_time() - start < 0.2:
+            pass
+        burned.append(time.thread_time() - start)
+
+    thread_start, process_start = dbs.clock(), DynamicBatchSize([], None, timer="cpu").clock()
+    worker = threading.Thread(target=server_work)
+    worker.start()
+    worker.join()  # this thread waits without running
+    assert dbs.clock() - thread_start < 0.05
+    assert time.process_time() - process_start >= burned[0] >= 0.2

@@ -78,6 +78,16 @@ def test_softsync_n1_is_synchronous_sgd_on_the_concatenated_batches():
     assert core.stats.histogram == {0: 3} and core.stats.updates == 1
 
 
+def test_softsync_over_pre_weighted_gradients_takes_the_plain_mean_whatever_the_batch_sizes():
+    # DBS-SGD on the n-softsync server: each push is already W * b / B times its rank's mean gradient
+    core = ServerCore(
+        SoftsyncHandler(FlatModel([torch.zeros(1)], lr=1.0), workers=3, n=2, by_batch_size=False), [0, 1, 2]
+    )
+    core.serve(_push(0, [3.0], 0, 90))
+    core.serve(_push(1, [1.0], 0, 10))  # weighted by size it would be (270 + 10) / 100 = 2.8
+    assert core.handler.model.flat.item() == pytest.approx(-2.0)  # type: ignore[attr-defined]
+
+
 def test_softsync_groups_of_ceil_w_over_n_reply_at_once_and_the_last_group_is_flushed_at_the_end():
     core = ServerCore(SoftsyncHandler(FlatModel([torch.zeros(1)], lr=1.0), workers=3, n=2), [0, 1, 2], trace=True)
     first = core.serve(_push(0, [1.0], 0))
