@@ -2,8 +2,9 @@
 
 Ji et al. (2019) claim DBS-SGD lowers the average staleness of asynchronous updates and reaches a
 higher accuracy at equal speed-up than ASGD and n-softsync, on MNIST and CIFAR-10. For each
-workload and slowdown factor this study fits ``dbs_async``, ``asgd`` and ``softsync`` (``n=2`` of
-3 ranks) one after the other in the same three forked CPU ranks (gloo), with rank 2 slowed:
+workload and slowdown factor this study fits ``dbs_async``, ``asgd``, ``softsync`` (``n=2`` of
+3 ranks) and ``dbs_async`` on the 2-softsync server (``dbs_async_n2``) one after the other in the
+same three forked CPU ranks (gloo), with rank 2 slowed:
 
 - ``--straggler cgroup`` (default): every rank runs under its own cgroup CPU quota
   (:mod:`benchmarks.rank_quotas`), ``--share`` of a core (0.6) for ranks 0 and 1 and
@@ -36,9 +37,11 @@ MNIST: the t10k file split 8000 / 2000 (only the test set is offline here); CIFA
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -77,6 +80,16 @@ STRATEGIES: dict[str, Callable[[str, str], ParameterServerWorker]] = {
     ),
     "asgd": lambda _, sampler: AsgdStrategy(timeout=120, sampler=sampler),
     "softsync_n2": lambda _, sampler: SoftsyncStrategy(n=2, timeout=120, sampler=sampler),
+    # DBS's allocation on the 2-softsync server: against softsync_n2 at the same n (the mean staleness
+    # per push is (W - 1) / ceil(W / n) whatever the shares; docs/algorithms.md section 7)
+    "dbs_async_n2": lambda timer, sampler: AsyncDBSStrategy(
+        n=2,
+        rebalance_every=PERIODS[sampler][0],
+        warmup_steps=PERIODS[sampler][1],
+        timer=timer,
+        timeout=120,
+        sampler=sampler,
+    ),
 }
 
 
@@ -215,12 +228,14 @@ def _work(
     straggler: str = "spin",
     quotas: RankQuotas | None = None,
     sampler: str = "split",
+    epochs: int | None = None,
 ) -> list[dict]:
     """One rank of the study: every workload and factor, each strategy fitted in turn; rows on rank 0.
 
     With ``quotas`` (``straggler='cgroup'``, one factor) the rank first moves into its cgroup,
     before Lightning or the server start any thread (``RANK`` is the harness's torchrun layout).
-    ``sampler`` is the strategies' (``'shared'``: the ranks claim batches from the server's queue).
+    ``sampler`` is the strategies' (``'shared'``: the ranks claim batches from the server's queue);
+    ``epochs`` replaces every workload's own.
     """
     if quotas is not None:
         quotas.join(int(os.environ["RANK"]))
@@ -228,6 +243,7 @@ def _work(
     rows: list[dict[str, Any]] = []
     for wname in workloads:
         w = _workloads(mnist_root, cifar_root)[wname]
+        w["epochs"] = epochs or w["epochs"]
         dm = w["data"]()
         for factor in factors:
             fits = [_fit(name, w, dm, factor, seed, straggler, sampler) for name in STRATEGIES]
@@ -237,7 +253,7 @@ def _work(
             dm.setup("validate")
             val = [dm.on_after_batch_transfer(b, 0) for b in dm.val_dataloader()]
             for f in fits:
-                row = {"workload": wname, "factor": factor, "equal_wall_s": equal}
+                row = {"workload": wname, "factor": factor, "equal_wall_s": equal, "epochs": w["epochs"]}
                 row |= {k: f[k] for k in ("strategy", "wall_s", "sizes", "speeds", "steps", "pushes")}
                 row |= _staleness(f["stats"])
                 row["acc_equal_wall"] = _accuracy(f["module"], _at(f["snaps"], equal), val)
@@ -250,15 +266,78 @@ def _run(args: argparse.Namespace, factor: float) -> list[dict]:
     """The three ranks for one slowdown ``factor`` (under ``--straggler cgroup``: in their cgroups)."""
     common = (args.workloads, [factor], args.seed, args.mnist_root, args.cifar_root, args.straggler)
     if args.straggler == "spin":
-        return run_workers(_work, *common, None, args.sampler, devices=RANKS, timeout=3000)[0]
+        return run_workers(_work, *common, None, args.sampler, args.epochs, devices=RANKS, timeout=3000)[0]
     with rank_quotas(RANKS, args.share, SLOW_RANK, factor) as quotas:
         # the harness kills and reaps every rank before it returns or raises: the cgroups are empty
-        rows = run_workers(_work, *common, quotas, args.sampler, devices=RANKS, timeout=3000)[0]
+        rows = run_workers(_work, *common, quotas, args.sampler, args.epochs, devices=RANKS, timeout=3000)[0]
         throttled = quotas.throttled_s()
         cores = quotas.shares
     for row in rows:
         row |= {"quota_cores": cores, "throttled_s": throttled}
     return rows
+
+
+def _print_rows(rows: list[dict[str, Any]]) -> None:
+    print(
+        "| workload | slowdown | seed | strategy | fit wall s | staleness per push | per worker (0, 1, 2) "
+        "| mean of workers | max | acc @ equal wall | acc end | DBS sizes | DBS samples/s |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        by_worker = ", ".join(f"{m:.2f}" for m in r["staleness_by_worker"])
+        print(
+            f"| {r['workload']} | {r['factor']:g}x | {r.get('seed', '')} | {r['strategy']} | {r['wall_s']:.1f} "
+            f"| {r['staleness_mean']:.2f} | {by_worker} | {r['staleness_worker_mean']:.2f} | {r['staleness_max']:.0f} "
+            f"| {r['acc_equal_wall']:.4f} (at {r['equal_wall_s']:.1f} s) | {r['acc_end']:.4f} "
+            f"| {r['sizes'] or ''} | {r['speeds'] or ''} |"
+        )
+    for r in rows:
+        compute = ", ".join(f"{1000 * t:.1f}" for t in r["iteration_s"])
+        step = 1000 * r["wall_s"] / r["steps"]
+        print(
+            f"{r['workload']} {r['factor']:g}x {r['strategy']}: {r['steps']} steps on rank 0, pushes by rank "
+            f"{r['pushes']}, fit wall per step {step:.1f} ms; "
+            f"reply to next push by rank (compute + epoch-end waits) {compute} ms"
+        )
+        if "throttled_s" in r:
+            cores = ", ".join(f"{c:g}" for c in r["quota_cores"])
+            held = ", ".join(f"{t:.1f}" for t in r["throttled_s"])
+            print(f"  quotas (cores by rank) {cores}; throttled s by rank over the invocation {held}")
+
+
+# each DBS form against the baselines it is compared with: ASGD's server, and n-softsync's at n = 2
+PAIRS = {"dbs_async": ("asgd", "softsync_n2"), "dbs_async_n2": ("softsync_n2", "asgd")}
+
+
+def _summary(rows: list[dict[str, Any]]) -> None:
+    """Means over seeds per workload, factor and strategy; how often each DBS form is at least its baselines."""
+    keys = sorted({(r["workload"], r["factor"]) for r in rows})
+    print("| workload | slowdown | strategy | seeds | staleness per push | mean of workers | max | acc @ equal wall |")
+    print("|---|---|---|---|---|---|---|---|")
+    for workload, factor in keys:
+        group = [r for r in rows if (r["workload"], r["factor"]) == (workload, factor)]
+        for name in STRATEGIES:
+            mine = [r for r in group if r["strategy"] == name]
+            if not mine:
+                continue
+            mean = {k: sum(r[k] for r in mine) / len(mine) for k in ("staleness_mean", "staleness_worker_mean")}
+            accs = [r["acc_equal_wall"] for r in mine]
+            print(
+                f"| {workload} | {factor:g}x | {name} | {len(mine)} | {mean['staleness_mean']:.2f} "
+                f"| {mean['staleness_worker_mean']:.2f} | {max(r['staleness_max'] for r in mine):.0f} "
+                f"| {sum(accs) / len(accs):.4f} ({min(accs):.4f}-{max(accs):.4f}) |"
+            )
+    for dbs, baselines in PAIRS.items():
+        runs = {(r["workload"], r["factor"], r.get("seed")): r for r in rows if r["strategy"] == dbs}
+        for what in ("staleness_worker_mean", "acc_equal_wall"):
+            won = 0
+            for key, r in runs.items():
+                others = [o for o in rows if (o["workload"], o["factor"], o.get("seed")) == key]
+                base = [o[what] for o in others if o["strategy"] in baselines]
+                better = r[what] < min(base) if what.startswith("staleness") else r[what] >= max(base)
+                won += bool(base) and better
+            relation = "lower than" if what.startswith("staleness") else "at least"
+            print(f"{dbs}: {what} {relation} {' and '.join(baselines)} in {won} of {len(runs)} runs")
 
 
 def main() -> None:
@@ -271,38 +350,21 @@ def main() -> None:
     parser.add_argument(
         "--sampler", choices=SAMPLERS, default="split", help="'shared': ranks claim batches from the server's queue"
     )
+    parser.add_argument("--epochs", type=int, default=None, help="every workload's epochs (default: its own)")
+    parser.add_argument("--out", default=None, help="also write the rows to this JSON file")
+    parser.add_argument("--report", nargs="+", default=None, help="print the tables of these --out files; run nothing")
     parser.add_argument("--mnist-root", default="../shared/datasets/mnist")
     parser.add_argument("--cifar-root", default="../shared/datasets/cifar10-jpeg.tar.gz")
     args = parser.parse_args()
-    exit_on_termination()  # a `timeout` or kill ends the ranks and removes the cgroups on its way out
-    rows = [row for factor in args.factors for row in _run(args, factor)]
-    print(
-        "| workload | slowdown | strategy | fit wall s | staleness per push | per worker (0, 1, 2) | mean of workers "
-        "| max | acc @ equal wall | acc end | DBS sizes | DBS samples/s |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        by_worker = ", ".join(f"{m:.2f}" for m in r["staleness_by_worker"])
-        print(
-            f"| {r['workload']} | {r['factor']:g}x | {r['strategy']} | {r['wall_s']:.1f} | {r['staleness_mean']:.2f} "
-            f"| {by_worker} | {r['staleness_worker_mean']:.2f} | {r['staleness_max']:.0f} "
-            f"| {r['acc_equal_wall']:.4f} (at {r['equal_wall_s']:.1f} s) | {r['acc_end']:.4f} "
-            f"| {r['sizes'] or ''} | {r['speeds'] or ''} |"
-        )
-    for r in rows:
-        compute = ", ".join(f"{1000 * t:.1f}" for t in r["iteration_s"])
-        step = 1000 * r["wall_s"] / r["steps"]
-        print(
-            f"{r['workload']} {r['factor']:g}x {r['strategy']}: {r['steps']} steps on rank 0, pushes by rank "
-            f"{r['pushes']}, fit wall per step {step:.1f} ms; "
-            f"reply to next push by rank (compute + epoch-end waits) {compute} ms"
-        )
-    for factor in args.factors:
-        quota = next((r for r in rows if r["factor"] == factor and "quota_cores" in r), None)
-        if quota is not None:
-            cores = ", ".join(f"{c:g}" for c in quota["quota_cores"])
-            held = ", ".join(f"{t:.1f}" for t in quota["throttled_s"])
-            print(f"{factor:g}x: quotas (cores by rank) {cores}; throttled s by rank {held}")
+    if args.report:
+        rows = [row for path in args.report for row in json.loads(Path(path).read_text())]
+    else:
+        exit_on_termination()  # a `timeout` or kill ends the ranks and removes the cgroups on its way out
+        rows = [row | {"seed": args.seed, "sampler": args.sampler} for f in args.factors for row in _run(args, f)]
+        if args.out:
+            Path(args.out).write_text(json.dumps(rows, indent=1))
+    _print_rows(rows)
+    _summary(rows)
 
 
 if __name__ == "__main__":
