@@ -351,6 +351,15 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("dbs_straggler", "asgd", {}),
     _pipeline("decoupled_cnn", {}),  # K=2 stages, 1 replica
     _pipeline("decoupled_cnn", {"wire_dtype": "bf16"}, "decoupled-bf16"),
+    # every layer a block: the balanced cut falls inside the first conv stage (after its ReLU), which
+    # is ~2/3 of the compute; that activation is 4x the size of the one after its MaxPool
+    Scenario(
+        "decoupled_cnn",
+        "decoupled",
+        {"wire_dtype": "bf16"},
+        label="decoupled-layers-bf16",
+        overrides=(*PIPELINE_BATCH, "model.layer_blocks=true"),
+    ),
     # FDG's order within an iteration: backward and update, then forward
     _pipeline("decoupled_cnn", {"order": "backward_first"}, "decoupled-fdg-order"),
     # the communication-aware cut (1 Gbit/s between the stages) on a network whose blocks balance

@@ -126,3 +126,16 @@ def test_the_papers_whole_networks_in_the_grid2d_recipe_fit_their_data(experimen
     dm = build_datamodule(cfg)
     assert dm.input_shape == shape
     build_module(cfg, dm)  # builds the network and checks one batch of zeros
+
+
+def test_small_cnn_layer_blocks_are_the_same_network_cut_finer():
+    torch.manual_seed(0)
+    stages = small_cnn((3, 32, 32), 10)
+    cfg = compose_cfg("model=small_cnn", "model.layer_blocks=true", "data=synthetic", "data.input_shape=[3,32,32]")
+    torch.manual_seed(0)
+    layers = build_module(cfg, build_datamodule(cfg)).net
+    assert [len(stages), len(layers)] == [4, 12]
+    assert all(not isinstance(block, nn.Sequential) for block in layers)
+    x = torch.randn(2, 3, 32, 32)
+    stages.eval(), layers.eval()
+    torch.testing.assert_close(layers(x), stages(x), rtol=0, atol=0)
