@@ -3,7 +3,8 @@
 Ji et al. (2019) claim DBS-SGD lowers the average staleness of asynchronous updates and reaches a
 higher accuracy at equal speed-up than ASGD and n-softsync, on MNIST and CIFAR-10. For each
 workload and slowdown factor this study fits ``dbs_async``, ``asgd``, ``softsync`` (``n=2`` of
-3 ranks) and ``dbs_async`` on the 2-softsync server (``dbs_async_n2``) one after the other in the
+3 ranks), ``dbs_async`` on the 2-softsync server (``dbs_async_n2``) and, as the synchronous
+reference, Lightning's ``ddp`` (every step waits for the straggler) one after the other in the
 same three forked CPU ranks (gloo), with rank 2 slowed:
 
 - ``--straggler cgroup`` (default): every rank runs under its own cgroup CPU quota
@@ -21,6 +22,8 @@ Each slowdown factor is one run of the three forked ranks (its own cgroups, remo
 Rank 0 snapshots the server's model (and its own buffers) every few steps with the wall time
 since the fit started; after all fits, each snapshot is evaluated on the validation set and each
 strategy's accuracy is read at the wall time of the fastest fit of its group ("equal wall time").
+Each fit's time to target is the first of ``CURVE_POINTS`` snapshots, evenly spread over its
+wall time, whose accuracy reaches the workload's :data:`TARGETS` value (``--target``).
 Run from the repository root::
 
     python -m benchmarks.studies.dbs_async --workloads mnist cifar10 --factors 2 4 [--straggler spin] [--sampler shared]
@@ -41,16 +44,19 @@ import json
 import os
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.strategies import DDPStrategy, Strategy
 from torch import Tensor
 from typing_extensions import override
 
 from benchmarks.leftovers import exit_on_termination
 from benchmarks.rank_quotas import RankQuotas, rank_quotas
+from benchmarks.studies._dbs_async_report import print_rows, summary
 from benchmarks.studies._trainer import quiet_trainer
 from lightning_hier import AsgdStrategy, AsyncDBSStrategy, SoftsyncStrategy
 from lightning_hier.algorithms.claim_sampler import ClaimQueue
@@ -74,7 +80,7 @@ SAMPLERS = ("split", "shared")
 # every 2 of a worker's own steps; with 10, the straggler (15 steps on CIFAR-10 at 4x) reported only
 # once, after 13 of its steps, so most of its steps ran at the equal split
 PERIODS = {"split": (10, 3), "shared": (2, 1)}  # (rebalance_every, warmup_steps)
-STRATEGIES: dict[str, Callable[[str, str], ParameterServerWorker]] = {
+STRATEGIES: dict[str, Callable[[str, str], Strategy]] = {
     "dbs_async": lambda timer, sampler: AsyncDBSStrategy(
         rebalance_every=PERIODS[sampler][0], warmup_steps=PERIODS[sampler][1], timer=timer, timeout=120, sampler=sampler
     ),
@@ -90,11 +96,20 @@ STRATEGIES: dict[str, Callable[[str, str], ParameterServerWorker]] = {
         timeout=120,
         sampler=sampler,
     ),
+    # the synchronous reference: every step waits for the straggler (Lightning's sampler, whatever `sampler`)
+    "ddp": lambda _, __: DDPStrategy(timeout=timedelta(seconds=120)),
 }
+# accuracy a fit must reach for its time to target (the validation set's), unless --target
+TARGETS = {"digits": 0.5, "mnist": 0.9, "cifar10": 0.4}
+CURVE_POINTS = 16  # snapshots evaluated per fit for its time to target, evenly spread over its wall time
 
 
 class Snapshots(pl.Callback):
-    """On rank 0: the server's parameters and rank 0's buffers every ``every`` steps, with wall time."""
+    """On rank 0: the model every ``every`` steps, with wall time since the fit started.
+
+    The server's parameters and rank 0's buffers under a parameter server, rank 0's module
+    otherwise (DDP: every rank holds the same parameters).
+    """
 
     def __init__(self, every: int) -> None:
         self.every = every
@@ -107,12 +122,14 @@ class Snapshots(pl.Callback):
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        strategy = trainer.strategy
-        assert isinstance(strategy, ParameterServerWorker) and strategy.ps is not None
-        server = strategy.ps.server
-        if server is None or trainer.global_step % self.every:
+        if trainer.global_rank != 0 or trainer.global_step % self.every:
             return
-        flat = server.consensus()[0]
+        strategy = trainer.strategy
+        if isinstance(strategy, ParameterServerWorker):
+            assert strategy.ps is not None and strategy.ps.server is not None
+            flat = strategy.ps.server.consensus()[0]
+        else:
+            flat = torch.cat([p.detach().reshape(-1) for p in pl_module.parameters()])
         self.taken.append((time.perf_counter() - self._t0, [flat, *(b.clone() for b in pl_module.buffers())]))
 
     @override
@@ -166,6 +183,8 @@ def _fit(
     start = time.perf_counter()
     trainer.fit(module, datamodule=dm)
     wall = time.perf_counter() - start
+    if not isinstance(strategy, ParameterServerWorker):
+        return _synchronous_row(name, wall, trainer.global_step) | {"snaps": snaps.taken, "module": module}
     assert strategy.ps is not None
     stats = strategy.ps.stats()
     history = strategy.algorithm.history if isinstance(strategy, AsyncDBSStrategy) and strategy.algorithm else []
@@ -177,10 +196,25 @@ def _fit(
     shares = claims.shares if isinstance(claims, ClaimQueue) else None
     if shares is not None:
         sizes, speeds = shares.sizes, shares.speeds
-    row = {"strategy": name, "wall_s": wall, "stats": stats, "sizes": sizes, "speeds": [round(v) for v in speeds]}
+    staleness = _staleness(stats) if server is not None else {}  # the metrics are rank 0's
+    row = {
+        "strategy": name,
+        "wall_s": wall,
+        "staleness": staleness,
+        "sizes": sizes,
+        "speeds": [round(v) for v in speeds],
+    }
     row["steps"] = trainer.global_step
     row["pushes"] = pushes
     return row | {"snaps": snaps.taken, "module": module}
+
+
+def _synchronous_row(name: str, wall: float, steps: int) -> dict[str, Any]:
+    """A synchronous fit's row: every gradient is computed on the current model (staleness 0), no pushes."""
+    staleness = {"staleness_mean": 0.0, "staleness_worker_mean": 0.0, "staleness_max": 0.0}
+    staleness |= {"staleness_by_worker": [0.0] * RANKS, "iteration_s": [wall / steps] * RANKS}
+    row = {"strategy": name, "wall_s": wall, "sizes": None, "speeds": [], "steps": steps, "pushes": []}
+    return row | {"staleness": staleness}
 
 
 def _staleness(stats: dict[str, float]) -> dict[str, Any]:
@@ -215,8 +249,29 @@ def _accuracy(module: Classifier, state: list[Tensor], loader: Any) -> float:
 
 def _at(snaps: list[tuple[float, list[Tensor]]], t: float) -> list[Tensor]:
     """The last snapshot taken by wall time ``t`` (the first one if none was)."""
-    before = [s for when, s in snaps if when <= t]
-    return before[-1] if before else snaps[0][1]
+    return _taken_by(snaps, t)[1]
+
+
+def _taken_by(snaps: list[tuple[float, list[Tensor]]], t: float) -> tuple[float, list[Tensor]]:
+    before = [s for s in snaps if s[0] <= t]
+    return before[-1] if before else snaps[0]
+
+
+def _time_to_target(module: Classifier, fit: dict[str, Any], val: Any, target: float) -> dict[str, Any]:
+    """Accuracy at ``CURVE_POINTS`` times evenly over the fit; the first snapshot time reaching ``target``.
+
+    The time is the snapshot's own (taken every 2 steps), so it is exact to 2 steps when the point
+    before it on the curve is below the target; ``None`` if no point reaches it.
+    """
+    snaps, wall = fit["snaps"], fit["wall_s"]
+    curve: list[tuple[float, float]] = []
+    for i in range(1, CURVE_POINTS + 1):
+        when, state = _taken_by(snaps, wall * i / CURVE_POINTS)
+        if curve and curve[-1][0] == when:
+            continue
+        curve.append((when, _accuracy(module, state, val)))
+    reached = next((when for when, acc in curve if acc >= target), None)
+    return {"target": target, "time_to_target_s": reached, "curve": curve}
 
 
 def _work(
@@ -229,13 +284,14 @@ def _work(
     quotas: RankQuotas | None = None,
     sampler: str = "split",
     epochs: int | None = None,
+    target: float | None = None,
 ) -> list[dict]:
     """One rank of the study: every workload and factor, each strategy fitted in turn; rows on rank 0.
 
     With ``quotas`` (``straggler='cgroup'``, one factor) the rank first moves into its cgroup,
     before Lightning or the server start any thread (``RANK`` is the harness's torchrun layout).
     ``sampler`` is the strategies' (``'shared'``: the ranks claim batches from the server's queue);
-    ``epochs`` replaces every workload's own.
+    ``epochs`` replaces every workload's own, ``target`` its :data:`TARGETS` accuracy.
     """
     if quotas is not None:
         quotas.join(int(os.environ["RANK"]))
@@ -255,9 +311,10 @@ def _work(
             for f in fits:
                 row = {"workload": wname, "factor": factor, "equal_wall_s": equal, "epochs": w["epochs"]}
                 row |= {k: f[k] for k in ("strategy", "wall_s", "sizes", "speeds", "steps", "pushes")}
-                row |= _staleness(f["stats"])
+                row |= f["staleness"]
                 row["acc_equal_wall"] = _accuracy(f["module"], _at(f["snaps"], equal), val)
                 row["acc_end"] = _accuracy(f["module"], f["snaps"][-1][1], val)
+                row |= _time_to_target(f["module"], f, val, target or TARGETS[wname])
                 rows.append(row)
     return rows
 
@@ -265,79 +322,17 @@ def _work(
 def _run(args: argparse.Namespace, factor: float) -> list[dict]:
     """The three ranks for one slowdown ``factor`` (under ``--straggler cgroup``: in their cgroups)."""
     common = (args.workloads, [factor], args.seed, args.mnist_root, args.cifar_root, args.straggler)
+    options = (args.sampler, args.epochs, args.target)
     if args.straggler == "spin":
-        return run_workers(_work, *common, None, args.sampler, args.epochs, devices=RANKS, timeout=3000)[0]
+        return run_workers(_work, *common, None, *options, devices=RANKS, timeout=3000)[0]
     with rank_quotas(RANKS, args.share, SLOW_RANK, factor) as quotas:
         # the harness kills and reaps every rank before it returns or raises: the cgroups are empty
-        rows = run_workers(_work, *common, quotas, args.sampler, args.epochs, devices=RANKS, timeout=3000)[0]
+        rows = run_workers(_work, *common, quotas, *options, devices=RANKS, timeout=3000)[0]
         throttled = quotas.throttled_s()
         cores = quotas.shares
     for row in rows:
         row |= {"quota_cores": cores, "throttled_s": throttled}
     return rows
-
-
-def _print_rows(rows: list[dict[str, Any]]) -> None:
-    print(
-        "| workload | slowdown | seed | strategy | fit wall s | staleness per push | per worker (0, 1, 2) "
-        "| mean of workers | max | acc @ equal wall | acc end | DBS sizes | DBS samples/s |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        by_worker = ", ".join(f"{m:.2f}" for m in r["staleness_by_worker"])
-        print(
-            f"| {r['workload']} | {r['factor']:g}x | {r.get('seed', '')} | {r['strategy']} | {r['wall_s']:.1f} "
-            f"| {r['staleness_mean']:.2f} | {by_worker} | {r['staleness_worker_mean']:.2f} | {r['staleness_max']:.0f} "
-            f"| {r['acc_equal_wall']:.4f} (at {r['equal_wall_s']:.1f} s) | {r['acc_end']:.4f} "
-            f"| {r['sizes'] or ''} | {r['speeds'] or ''} |"
-        )
-    for r in rows:
-        compute = ", ".join(f"{1000 * t:.1f}" for t in r["iteration_s"])
-        step = 1000 * r["wall_s"] / r["steps"]
-        print(
-            f"{r['workload']} {r['factor']:g}x {r['strategy']}: {r['steps']} steps on rank 0, pushes by rank "
-            f"{r['pushes']}, fit wall per step {step:.1f} ms; "
-            f"reply to next push by rank (compute + epoch-end waits) {compute} ms"
-        )
-        if "throttled_s" in r:
-            cores = ", ".join(f"{c:g}" for c in r["quota_cores"])
-            held = ", ".join(f"{t:.1f}" for t in r["throttled_s"])
-            print(f"  quotas (cores by rank) {cores}; throttled s by rank over the invocation {held}")
-
-
-# each DBS form against the baselines it is compared with: ASGD's server, and n-softsync's at n = 2
-PAIRS = {"dbs_async": ("asgd", "softsync_n2"), "dbs_async_n2": ("softsync_n2", "asgd")}
-
-
-def _summary(rows: list[dict[str, Any]]) -> None:
-    """Means over seeds per workload, factor and strategy; how often each DBS form is at least its baselines."""
-    keys = sorted({(r["workload"], r["factor"]) for r in rows})
-    print("| workload | slowdown | strategy | seeds | staleness per push | mean of workers | max | acc @ equal wall |")
-    print("|---|---|---|---|---|---|---|---|")
-    for workload, factor in keys:
-        group = [r for r in rows if (r["workload"], r["factor"]) == (workload, factor)]
-        for name in STRATEGIES:
-            mine = [r for r in group if r["strategy"] == name]
-            if not mine:
-                continue
-            mean = {k: sum(r[k] for r in mine) / len(mine) for k in ("staleness_mean", "staleness_worker_mean")}
-            accs = [r["acc_equal_wall"] for r in mine]
-            print(
-                f"| {workload} | {factor:g}x | {name} | {len(mine)} | {mean['staleness_mean']:.2f} "
-                f"| {mean['staleness_worker_mean']:.2f} | {max(r['staleness_max'] for r in mine):.0f} "
-                f"| {sum(accs) / len(accs):.4f} ({min(accs):.4f}-{max(accs):.4f}) |"
-            )
-    for dbs, baselines in PAIRS.items():
-        runs = {(r["workload"], r["factor"], r.get("seed")): r for r in rows if r["strategy"] == dbs}
-        for what in ("staleness_worker_mean", "acc_equal_wall"):
-            won = 0
-            for key, r in runs.items():
-                others = [o for o in rows if (o["workload"], o["factor"], o.get("seed")) == key]
-                base = [o[what] for o in others if o["strategy"] in baselines]
-                better = r[what] < min(base) if what.startswith("staleness") else r[what] >= max(base)
-                won += bool(base) and better
-            relation = "lower than" if what.startswith("staleness") else "at least"
-            print(f"{dbs}: {what} {relation} {' and '.join(baselines)} in {won} of {len(runs)} runs")
 
 
 def main() -> None:
@@ -351,6 +346,7 @@ def main() -> None:
         "--sampler", choices=SAMPLERS, default="split", help="'shared': ranks claim batches from the server's queue"
     )
     parser.add_argument("--epochs", type=int, default=None, help="every workload's epochs (default: its own)")
+    parser.add_argument("--target", type=float, default=None, help=f"accuracy for the time to target {TARGETS}")
     parser.add_argument("--out", default=None, help="also write the rows to this JSON file")
     parser.add_argument("--report", nargs="+", default=None, help="print the tables of these --out files; run nothing")
     parser.add_argument("--mnist-root", default="../shared/datasets/mnist")
@@ -363,8 +359,8 @@ def main() -> None:
         rows = [row | {"seed": args.seed, "sampler": args.sampler} for f in args.factors for row in _run(args, f)]
         if args.out:
             Path(args.out).write_text(json.dumps(rows, indent=1))
-    _print_rows(rows)
-    _summary(rows)
+    print_rows(rows)
+    summary(rows, list(STRATEGIES))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,96 @@
+"""Tables of the DBS-SGD asynchronous study (:mod:`benchmarks.studies.dbs_async`) from its rows.
+
+Rows written by older versions of the study lack ``ddp`` rows, ``curve`` and ``time_to_target_s``:
+their cells print empty, so ``--report`` reads every ``--out`` file the study ever wrote.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+# each DBS form against the baselines it is compared with: ASGD's server, and n-softsync's at n = 2
+PAIRS = {"dbs_async": ("asgd", "softsync_n2"), "dbs_async_n2": ("softsync_n2", "asgd")}
+
+
+def _seconds(value: float | None) -> str:
+    return "not reached" if value is None else f"{value:.1f}"
+
+
+def print_rows(rows: Sequence[dict[str, Any]]) -> None:
+    """One table row per fit, then each fit's steps, pushes and iteration times."""
+    print(
+        "| workload | slowdown | seed | strategy | fit wall s | staleness per push | per worker (0, 1, 2) "
+        "| mean of workers | max | acc @ equal wall | acc end | time to target s | DBS sizes | DBS samples/s |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        by_worker = ", ".join(f"{m:.2f}" for m in r["staleness_by_worker"])
+        target = f"{_seconds(r['time_to_target_s'])} (to {r['target']:g})" if "target" in r else ""
+        print(
+            f"| {r['workload']} | {r['factor']:g}x | {r.get('seed', '')} | {r['strategy']} | {r['wall_s']:.1f} "
+            f"| {r['staleness_mean']:.2f} | {by_worker} | {r['staleness_worker_mean']:.2f} | {r['staleness_max']:.0f} "
+            f"| {r['acc_equal_wall']:.4f} (at {r['equal_wall_s']:.1f} s) | {r['acc_end']:.4f} | {target} "
+            f"| {r['sizes'] or ''} | {r['speeds'] or ''} |"
+        )
+    for r in rows:
+        iteration = ", ".join(f"{1000 * t:.1f}" for t in r["iteration_s"])
+        step = 1000 * r["wall_s"] / r["steps"]
+        print(
+            f"{r['workload']} {r['factor']:g}x {r['strategy']}: {r['steps']} steps on rank 0, pushes by rank "
+            f"{r['pushes']}, fit wall per step {step:.1f} ms; "
+            f"reply to next push by rank (compute + epoch-end waits) {iteration} ms"
+        )
+        if "throttled_s" in r:
+            cores = ", ".join(f"{c:g}" for c in r["quota_cores"])
+            held = ", ".join(f"{t:.1f}" for t in r["throttled_s"])
+            print(f"  quotas (cores by rank) {cores}; throttled s by rank over the invocation {held}")
+
+
+def _mean_seconds(values: list[float | None]) -> str:
+    """Mean over the runs that reached the target, and how many did."""
+    reached = [v for v in values if v is not None]
+    if not reached:
+        return f"not reached (0 of {len(values)})"
+    return f"{sum(reached) / len(reached):.1f} ({len(reached)} of {len(values)})"
+
+
+def summary(rows: Sequence[dict[str, Any]], strategies: Sequence[str]) -> None:
+    """Means over seeds per workload, factor and strategy; how often each DBS form is at least its baselines."""
+    keys = sorted({(r["workload"], r["factor"]) for r in rows})
+    print(
+        "| workload | slowdown | strategy | seeds | fit wall s | staleness per push | mean of workers | max "
+        "| acc @ equal wall | time to target s (runs reaching it) |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for workload, factor in keys:
+        group = [r for r in rows if (r["workload"], r["factor"]) == (workload, factor)]
+        for name in strategies:
+            mine = [r for r in group if r["strategy"] == name]
+            if not mine:
+                continue
+            means = ("wall_s", "staleness_mean", "staleness_worker_mean")
+            mean = {k: sum(r[k] for r in mine) / len(mine) for k in means}
+            accs = [r["acc_equal_wall"] for r in mine]
+            ttt = _mean_seconds([r["time_to_target_s"] for r in mine]) if "target" in mine[0] else ""
+            print(
+                f"| {workload} | {factor:g}x | {name} | {len(mine)} | {mean['wall_s']:.1f} "
+                f"| {mean['staleness_mean']:.2f} | {mean['staleness_worker_mean']:.2f} "
+                f"| {max(r['staleness_max'] for r in mine):.0f} "
+                f"| {sum(accs) / len(accs):.4f} ({min(accs):.4f}-{max(accs):.4f}) | {ttt} |"
+            )
+    for dbs, baselines in PAIRS.items():
+        _win_counts(rows, dbs, baselines)
+
+
+def _win_counts(rows: Sequence[dict[str, Any]], dbs: str, baselines: tuple[str, ...]) -> None:
+    runs = {(r["workload"], r["factor"], r.get("seed")): r for r in rows if r["strategy"] == dbs}
+    for what in ("staleness_worker_mean", "acc_equal_wall"):
+        won = 0
+        for key, r in runs.items():
+            others = [o for o in rows if (o["workload"], o["factor"], o.get("seed")) == key]
+            base = [o[what] for o in others if o["strategy"] in baselines]
+            better = r[what] < min(base) if what.startswith("staleness") else r[what] >= max(base)
+            won += bool(base) and better
+        relation = "lower than" if what.startswith("staleness") else "at least"
+        print(f"{dbs}: {what} {relation} {' and '.join(baselines)} in {won} of {len(runs)} runs")
