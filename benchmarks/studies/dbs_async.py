@@ -211,7 +211,7 @@ def _fit(
 
 def _synchronous_row(name: str, wall: float, steps: int) -> dict[str, Any]:
     """A synchronous fit's row: every gradient is computed on the current model (staleness 0), no pushes."""
-    staleness = {"staleness_mean": 0.0, "staleness_worker_mean": 0.0, "staleness_max": 0.0}
+    staleness: dict[str, Any] = {"staleness_mean": 0.0, "staleness_worker_mean": 0.0, "staleness_max": 0.0}
     staleness |= {"staleness_by_worker": [0.0] * RANKS, "iteration_s": [wall / steps] * RANKS}
     row = {"strategy": name, "wall_s": wall, "sizes": None, "speeds": [], "steps": steps, "pushes": []}
     return row | {"staleness": staleness}

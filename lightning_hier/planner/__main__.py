@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+
+from torch import nn
 
 from lightning_hier.models.networks import mlp, resnet20, resnet56, small_cnn
 from lightning_hier.models.paper import alexnet, vgg16
@@ -11,7 +13,7 @@ from lightning_hier.planner.cost import Layer, Link
 from lightning_hier.planner.networks import alexnet_layers, vgg16_layers
 from lightning_hier.planner.plan import format_table, plan_grids
 
-OUR_MODELS = {
+OUR_MODELS: dict[str, Callable[..., nn.Module]] = {
     "mlp": mlp,
     "small_cnn": small_cnn,
     "resnet20": resnet20,

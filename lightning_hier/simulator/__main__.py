@@ -41,7 +41,11 @@ def build_model(spec: dict[str, Any]) -> nn.Module:
         module, _, attr = name.partition(":")
         factory = getattr(importlib.import_module(module), attr)
     else:
-        builtins = {"mlp": networks.mlp, "small_cnn": networks.small_cnn, "resnet20": networks.resnet20}
+        builtins: dict[str, Callable[..., nn.Module]] = {
+            "mlp": networks.mlp,
+            "small_cnn": networks.small_cnn,
+            "resnet20": networks.resnet20,
+        }
         if name not in builtins:
             raise ValueError(
                 f"simulator: `--model` must be one of {sorted(builtins)} or package.module:factory, got {name!r}."
