@@ -260,8 +260,9 @@ def _taken_by(snaps: list[tuple[float, list[Tensor]]], t: float) -> tuple[float,
 def _time_to_target(module: Classifier, fit: dict[str, Any], val: Any, target: float) -> dict[str, Any]:
     """Accuracy at ``CURVE_POINTS`` times evenly over the fit; the first snapshot time reaching ``target``.
 
-    The time is the snapshot's own (taken every 2 steps), so it is exact to 2 steps when the point
-    before it on the curve is below the target; ``None`` if no point reaches it.
+    The time is that of the evaluated snapshot (the last one taken by each point), so it is resolved
+    to the points' spacing, ``wall / CURVE_POINTS``: a snapshot between two points is not evaluated.
+    ``None`` if no point reaches the target.
     """
     snaps, wall = fit["snaps"], fit["wall_s"]
     curve: list[tuple[float, float]] = []
