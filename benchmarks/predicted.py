@@ -101,6 +101,10 @@ def _workload(
     tensor_words = tuple(int(n) for n in model.get("tensor_words") or ())
     # the no-comm run trains the whole network on every rank (a grid run records its own shards)
     preset = _preset(tuple(int(n) for n in (reference.get("model") or {}).get("tensor_words") or ()))
+    if _model_overrides(run) != _model_overrides(reference):
+        # e.g. model.layer_blocks=true: the same tensors in other blocks, which the preset does not
+        # describe, so no blocks (no pipeline prediction) and no layer list (no grid prediction)
+        preset = None
     blocks: tuple[Block, ...] = ()
     if preset is not None and preset.blocks:
         scale = sample_s / preset.sample_s
@@ -118,6 +122,11 @@ def _workload(
         blocks=blocks,
         model=preset.model if preset is not None else None,
     )
+
+
+def _model_overrides(run: dict[str, Any]) -> set[str]:
+    """The run's Hydra overrides of the network's options (``model.*``)."""
+    return {o for o in run.get("overrides") or () if o.lstrip("+").startswith("model.")}
 
 
 def _preset(tensor_words: tuple[int, ...]) -> Workload | None:

@@ -132,6 +132,16 @@ def test_the_pipeline_is_predicted_from_the_presets_blocks_over_its_epoch_drain_
     assert row.split(" | ")[9] == "+0%"  # the drain's iterations send their activations too
 
 
+def test_a_pipeline_over_other_blocks_of_the_presets_network_is_not_predicted():
+    # model.layer_blocks=true: the preset's tensors, cut into 12 blocks instead of its 4
+    result = _structured_result(small_cnn((3, 32, 32), 10), "decoupled", {"stages": 2, "schedule": "fdg"}, 256)
+    run = result["runs"]["decoupled"]
+    run["overrides"] = ["data.batch_size=256", "model.layer_blocks=true"]
+    assert predict_run("decoupled", run, result, world=2) is None
+    run["overrides"] = ["data.batch_size=256"]
+    assert predict_run("decoupled", run, result, world=2) is not None
+
+
 def test_the_grid_is_predicted_from_the_presets_layer_list_and_other_networks_are_not():
     result = _structured_result(mlp((3, 32, 32), 10, hidden=(2048,) * 3), "grid2d", {"grid": [2, 1]}, 256)
     shards = [3145728, 1024, 2097152, 1024, 2097152, 1024, 10240, 5]  # what a grid run records: its own shards
