@@ -127,16 +127,20 @@ class Snapshots(pl.Callback):
         strategy = trainer.strategy
         if isinstance(strategy, ParameterServerWorker):
             assert strategy.ps is not None and strategy.ps.server is not None
-            flat = strategy.ps.server.consensus()[0]
+            self._take(strategy.ps.server.consensus()[0], pl_module)
         else:
-            flat = torch.cat([p.detach().reshape(-1) for p in pl_module.parameters()])
-        self.taken.append((time.perf_counter() - self._t0, [flat, *(b.clone() for b in pl_module.buffers())]))
+            self._take(None, pl_module)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.global_rank == 0:  # the module holds the consensus model after fit
+            self._take(None, pl_module)
+
+    def _take(self, flat: Tensor | None, pl_module: pl.LightningModule) -> None:
+        """Keep ``flat`` parameters (None: the module's own) and the module's buffers, with the time."""
+        if flat is None:
             flat = torch.cat([p.detach().reshape(-1) for p in pl_module.parameters()])
-            self.taken.append((time.perf_counter() - self._t0, [flat, *(b.clone() for b in pl_module.buffers())]))
+        self.taken.append((time.perf_counter() - self._t0, [flat, *(b.clone() for b in pl_module.buffers())]))
 
 
 def _workloads(mnist_root: str, cifar_root: str) -> dict[str, dict[str, Any]]:
@@ -247,12 +251,8 @@ def _accuracy(module: Classifier, state: list[Tensor], loader: Any) -> float:
     return correct / total
 
 
-def _at(snaps: list[tuple[float, list[Tensor]]], t: float) -> list[Tensor]:
-    """The last snapshot taken by wall time ``t`` (the first one if none was)."""
-    return _taken_by(snaps, t)[1]
-
-
 def _taken_by(snaps: list[tuple[float, list[Tensor]]], t: float) -> tuple[float, list[Tensor]]:
+    """The last snapshot ``(time, state)`` taken by wall time ``t`` (the first one if none was)."""
     before = [s for s in snaps if s[0] <= t]
     return before[-1] if before else snaps[0]
 
@@ -262,7 +262,8 @@ def _time_to_target(module: Classifier, fit: dict[str, Any], val: Any, target: f
 
     The time is that of the evaluated snapshot (the last one taken by each point), so it is resolved
     to the points' spacing, ``wall / CURVE_POINTS``: a snapshot between two points is not evaluated.
-    ``None`` if no point reaches the target.
+    ``None`` if no point reaches the target. The last point, at the fit's wall time, is the
+    snapshot taken at the end of the fit.
     """
     snaps, wall = fit["snaps"], fit["wall_s"]
     curve: list[tuple[float, float]] = []
@@ -313,9 +314,9 @@ def _work(
                 row = {"workload": wname, "factor": factor, "equal_wall_s": equal, "epochs": w["epochs"]}
                 row |= {k: f[k] for k in ("strategy", "wall_s", "sizes", "speeds", "steps", "pushes")}
                 row |= f["staleness"]
-                row["acc_equal_wall"] = _accuracy(f["module"], _at(f["snaps"], equal), val)
-                row["acc_end"] = _accuracy(f["module"], f["snaps"][-1][1], val)
+                row["acc_equal_wall"] = _accuracy(f["module"], _taken_by(f["snaps"], equal)[1], val)
                 row |= _time_to_target(f["module"], f, val, target or TARGETS[wname])
+                row["acc_end"] = row["curve"][-1][1]  # the end-of-fit snapshot, evaluated once
                 rows.append(row)
     return rows
 
