@@ -6,11 +6,16 @@ their cells print empty, so ``--report`` reads every ``--out`` file the study ev
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
 # each DBS form against the baselines it is compared with: ASGD's server, and n-softsync's at n = 2
 PAIRS = {"dbs_async": ("asgd", "softsync_n2"), "dbs_async_n2": ("softsync_n2", "asgd")}
+
+# two-sided 95 % quantiles of Student's t by degrees of freedom (1-20); beyond 20, 20's (conservative)
+_T95: tuple[float, ...] = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228)
+_T95 += (2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086)
 
 
 def _seconds(value: float | None) -> str:
@@ -56,7 +61,8 @@ def _mean_seconds(values: list[float | None]) -> str:
 
 
 def summary(rows: Sequence[dict[str, Any]], strategies: Sequence[str]) -> None:
-    """Means over seeds per workload, factor and strategy; how often each DBS form is at least its baselines."""
+    """Means over seeds per workload, factor and strategy; how often each DBS form is at least its
+    baselines; and the paired differences with their 95 % intervals (:func:`paired_table`)."""
     keys = sorted({(r["workload"], r["factor"]) for r in rows})
     print(
         "| workload | slowdown | strategy | seeds | fit wall s | staleness per push | mean of workers | max "
@@ -81,6 +87,7 @@ def summary(rows: Sequence[dict[str, Any]], strategies: Sequence[str]) -> None:
             )
     for dbs, baselines in PAIRS.items():
         _win_counts(rows, dbs, baselines)
+    paired_table(rows)
 
 
 def _win_counts(rows: Sequence[dict[str, Any]], dbs: str, baselines: tuple[str, ...]) -> None:
@@ -94,3 +101,51 @@ def _win_counts(rows: Sequence[dict[str, Any]], dbs: str, baselines: tuple[str, 
             won += bool(base) and better
         relation = "lower than" if what.startswith("staleness") else "at least"
         print(f"{dbs}: {what} {relation} {' and '.join(baselines)} in {won} of {len(runs)} runs")
+
+
+def paired_differences(
+    rows: Sequence[dict[str, Any]], a: str, b: str, what: str
+) -> dict[tuple[str, float], list[float]]:
+    """``a``'s ``what`` minus ``b``'s, per workload and factor, one difference per seed both ran.
+
+    The fits of one seed ran in one invocation, one after the other, from the same initial weights
+    and the same straggler quota, so a difference cancels what the seed and that hour's machine
+    change for both (a paired comparison).
+    """
+    by_key = {(r["workload"], r["factor"], r.get("seed"), r["strategy"]): r[what] for r in rows}
+    out: dict[tuple[str, float], list[float]] = {}
+    for (workload, factor, seed, name), value in sorted(by_key.items(), key=lambda kv: str(kv[0])):
+        other = by_key.get((workload, factor, seed, b))
+        if name == a and other is not None:
+            out.setdefault((workload, factor), []).append(value - other)
+    return out
+
+
+def t_interval(diffs: Sequence[float]) -> tuple[float, float, float] | None:
+    """Mean of ``diffs`` and its two-sided 95 % Student-t interval; ``None`` with fewer than 2."""
+    n = len(diffs)
+    if n < 2:
+        return None
+    mean = sum(diffs) / n
+    sd = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (n - 1))
+    half = _T95[min(n - 1, len(_T95)) - 1] * sd / math.sqrt(n)
+    return mean, mean - half, mean + half
+
+
+def paired_table(rows: Sequence[dict[str, Any]], what: str = "acc_equal_wall") -> None:
+    """Each DBS form minus each of its baselines, paired by seed: mean, 95 % interval, and whether the
+    interval excludes zero (with 3 seeds an interval is wide: a difference inside it is not shown)."""
+    print(f"\n| workload | slowdown | {what}: difference | seeds | mean | 95 % interval | verdict |")
+    print("|---|---|---|---|---|---|---|")
+    for dbs, baselines in PAIRS.items():
+        for base in baselines:
+            for (workload, factor), diffs in paired_differences(rows, dbs, base, what).items():
+                ci = t_interval(diffs)
+                if ci is None:
+                    continue
+                mean, lo, hi = ci
+                verdict = "higher" if lo > 0 else "lower" if hi < 0 else "not resolved"
+                print(
+                    f"| {workload} | {factor:g}x | {dbs} - {base} | {len(diffs)} | {mean:+.4f} "
+                    f"| [{lo:+.4f}, {hi:+.4f}] | {verdict} |"
+                )

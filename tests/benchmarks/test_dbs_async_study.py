@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from benchmarks.studies._dbs_async_report import print_rows, summary
+from benchmarks.studies._dbs_async_report import paired_differences, paired_table, print_rows, summary, t_interval
 from benchmarks.studies.dbs_async import STRATEGIES, _work
 from lightning_hier.testing import run_workers
 
@@ -37,3 +37,37 @@ def test_study_fits_each_strategy_and_reads_staleness_and_accuracy_at_equal_wall
     out = capsys.readouterr().out
     assert "| digits | 2x | dbs_async_n2 | 1 |" in out and "| digits | 2x | ddp | 1 |" in out
     assert "dbs_async: acc_equal_wall at least asgd and softsync_n2 in " in out and " of 1 runs" in out
+
+
+def _row(strategy: str, seed: int, acc: float, factor: float = 2.0) -> dict:
+    return {"workload": "mnist", "factor": factor, "seed": seed, "strategy": strategy, "acc_equal_wall": acc}
+
+
+def test_paired_differences_pair_each_seed_with_the_same_seeds_baseline():
+    rows = [_row("dbs_async", 0, 0.90), _row("asgd", 0, 0.85), _row("dbs_async", 1, 0.80), _row("asgd", 1, 0.82)]
+    rows += [_row("dbs_async", 2, 0.5), _row("asgd", 0, 0.1, factor=4.0)]  # no partner: left out
+    diffs = paired_differences(rows, "dbs_async", "asgd", "acc_equal_wall")
+    assert diffs.keys() == {("mnist", 2.0)}
+    assert diffs[("mnist", 2.0)] == pytest.approx([0.05, -0.02])
+
+
+def test_t_interval_is_the_students_t_interval_of_the_mean():
+    assert t_interval([0.3]) is None
+    mean, lo, hi = t_interval([1.0, 2.0, 3.0])
+    # mean 2, sample sd 1, t(0.975, df=2) = 4.303: 2 -/+ 4.303 / sqrt(3)
+    assert (mean, lo, hi) == pytest.approx((2.0, 2.0 - 2.4843, 2.0 + 2.4843), abs=1e-4)
+    mean, lo, hi = t_interval([0.01] * 30)  # beyond the table: still an interval, here of width 0
+    assert lo == pytest.approx(0.01) and hi == pytest.approx(0.01)
+
+
+def test_paired_table_calls_an_interval_above_zero_higher_and_one_across_zero_not_resolved(capsys):
+    rows = [_row("dbs_async", s, 0.9 + 0.01 * s) for s in range(3)] + [_row("asgd", s, 0.8) for s in range(3)]
+    rows += [_row("dbs_async", s, 0.8 + (-0.1 if s else 0.1), 4.0) for s in range(3)]
+    rows += [_row("asgd", s, 0.8, 4.0) for s in range(3)]
+    paired_table(rows)
+    out = capsys.readouterr().out
+    lines = {line.split(" | ")[1]: line for line in out.splitlines() if "dbs_async - asgd" in line}
+    assert lines["2x"].startswith("| mnist | 2x | dbs_async - asgd | 3 | +0.1100 |")
+    assert lines["2x"].endswith("| higher |")
+    assert lines["4x"].startswith("| mnist | 4x | dbs_async - asgd | 3 | -0.0333 |")
+    assert lines["4x"].endswith("| not resolved |")
