@@ -4,6 +4,10 @@ Reads each run directory's ``logs/version_*/metrics.csv`` (Lightning's CSV logge
 equal-epoch comparisons whose timing does not matter (e.g. a pipeline against plain backprop)::
 
     python -m benchmarks.epoch_curves recipes/decoupled/fdg_accuracy.png "plain backprop=runs/bp" "K=2=runs/k2"
+
+A label may name several run directories, comma-separated (one per seed): its row is then the
+mean per epoch with the lowest and highest seed in brackets, and its line in the plot a band
+between them, over the epochs every one of its runs reached.
 """
 
 from __future__ import annotations
@@ -23,16 +27,37 @@ def accuracy_by_epoch(run_dir: Path) -> list[float]:
     return [float(r["val/acc"]) for r in sorted(rows, key=lambda r: int(r["epoch"]))]
 
 
-def plot(curves: dict[str, list[float]], path: Path) -> None:
-    """Write ``path``: one line per run, accuracy against epoch."""
+def seed_curves(dirs: list[Path]) -> list[list[float]]:
+    """Each run's curve, cut to the epochs all of them reached (one run per seed)."""
+    curves = [accuracy_by_epoch(d) for d in dirs]
+    epochs = min(len(c) for c in curves)
+    return [c[:epochs] for c in curves]
+
+
+def mean_curve(curves: list[list[float]]) -> list[float]:
+    """Per-epoch mean over ``curves`` (of equal length)."""
+    return [sum(col) / len(col) for col in zip(*curves, strict=True)]
+
+
+def plot(runs: dict[str, list[list[float]]], path: Path) -> None:
+    """Write ``path``: one line per label (the mean of its seeds; a band from the lowest to the highest)."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for label, acc in curves.items():
-        ax.plot(range(1, len(acc) + 1), acc, marker="o", label=label)
+    for label, curves in runs.items():
+        epochs = range(1, len(curves[0]) + 1)
+        line = ax.plot(
+            epochs,
+            mean_curve(curves),
+            marker="o",
+            label=label if len(curves) == 1 else f"{label} ({len(curves)} seeds)",
+        )
+        if len(curves) > 1:
+            lo, hi = ([f(col) for col in zip(*curves, strict=True)] for f in (min, max))
+            ax.fill_between(epochs, lo, hi, color=line[0].get_color(), alpha=0.15)
     ax.set(xlabel="epoch", ylabel="validation accuracy")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
@@ -42,18 +67,25 @@ def plot(curves: dict[str, list[float]], path: Path) -> None:
 
 
 def main(argv: list[str]) -> int:
-    """``OUT.png LABEL=RUN_DIR ...``: print a markdown table and write the plot."""
+    """``OUT.png LABEL=RUN_DIR[,RUN_DIR...] ...``: print a markdown table and write the plot."""
     if len(argv) < 2 or any("=" not in a for a in argv[1:]):
         print(__doc__, file=sys.stderr)
         return 2
-    curves = {label: accuracy_by_epoch(Path(d)) for label, d in (a.rsplit("=", 1) for a in argv[1:])}
-    epochs = max(len(c) for c in curves.values())
+    runs = {
+        label: seed_curves([Path(d) for d in dirs.split(",")]) for label, dirs in (a.rsplit("=", 1) for a in argv[1:])
+    }
+    epochs = max(len(c[0]) for c in runs.values())
     print("| run | " + " | ".join(str(e + 1) for e in range(epochs)) + " |")
     print("|---" * (epochs + 1) + "|")
-    for label, acc in curves.items():
-        print(f"| {label} | " + " | ".join(f"{a:.3f}" for a in acc) + " |")
-    plot(curves, Path(argv[0]))
+    for label, curves in runs.items():
+        print(f"| {label} | " + " | ".join(_cell(list(col)) for col in zip(*curves, strict=True)) + " |")
+    plot(runs, Path(argv[0]))
     return 0
+
+
+def _cell(seeds: list[float]) -> str:
+    mean = f"{sum(seeds) / len(seeds):.3f}"
+    return mean if len(seeds) == 1 else f"{mean} ({min(seeds):.3f}-{max(seeds):.3f})"
 
 
 if __name__ == "__main__":

@@ -35,3 +35,15 @@ def test_main_prints_a_table_and_writes_the_plot(tmp_path, capsys):
     assert table[2:] == ["| bp | 0.100 | 0.200 |", "| K=2 | 0.150 | 0.250 |"]
     assert png.stat().st_size > 0
     assert main([str(png), "no-equals-sign"]) == 2
+
+
+def test_a_label_with_several_seeds_prints_the_mean_and_range_over_the_epochs_all_reached(tmp_path, capsys):
+    a = _run(tmp_path / "a", 0, [0.1, 0.4, 0.9])
+    b = _run(tmp_path / "b", 0, [0.3, 0.2])  # stopped after 2 epochs: the third is left out
+    one = _run(tmp_path / "c", 0, [0.5, 0.6])
+    png = tmp_path / "out.png"
+    assert main([str(png), f"K=2={a},{b}", f"bp={one}"]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[0] == "| run | 1 | 2 |"
+    assert table[2:] == ["| K=2 | 0.200 (0.100-0.300) | 0.300 (0.200-0.400) |", "| bp | 0.500 | 0.600 |"]
+    assert png.stat().st_size > 0
