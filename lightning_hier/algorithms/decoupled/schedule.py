@@ -36,8 +36,8 @@ joins the pipeline's critical cycle: for ``K = 2`` an iteration takes at least
 ``(C_0 + C_1) / 2 + L`` (``C_k`` a stage's compute, ``L`` one transfer) against
 ``max(C_0, C_1, C_1 / 2 + L)`` forward first; and checkpoints, tests and earlier results assume
 the forward-first staleness. The price is one update more staleness: on the recipe's CNN (K = 2,
-beta 0.5, 8 epochs, one seed) FDG's order ended at 0.668 validation accuracy, forward first at
-0.654, plain backprop at 0.674, while FDG's order ran 5-9 % fewer samples/s
+beta 0.5, 8 epochs, mean of 3 seeds) FDG's order ended at 0.672 validation accuracy, forward
+first at 0.666, plain backprop at 0.678, while FDG's order ran 5-9 % fewer samples/s
 (``recipes/decoupled/README.md``). Choose ``backward_first`` when accuracy per epoch matters more.
 """
 
