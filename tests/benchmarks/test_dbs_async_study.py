@@ -4,7 +4,14 @@ import json
 
 import pytest
 
-from benchmarks.studies._dbs_async_report import paired_differences, paired_table, print_rows, summary, t_interval
+from benchmarks.studies._dbs_async_report import (
+    best_by_equal_wall,
+    paired_differences,
+    paired_table,
+    print_rows,
+    summary,
+    t_interval,
+)
 from benchmarks.studies.dbs_async import STRATEGIES, _work
 from lightning_hier.testing import run_workers
 
@@ -71,3 +78,12 @@ def test_paired_table_calls_an_interval_above_zero_higher_and_one_across_zero_no
     assert lines["2x"].endswith("| higher |")
     assert lines["4x"].startswith("| mnist | 4x | dbs_async - asgd | 3 | -0.0333 |")
     assert lines["4x"].endswith("| not resolved |")
+
+
+def test_the_best_by_equal_wall_time_is_the_curves_maximum_up_to_that_time(capsys):
+    row = {"equal_wall_s": 2.0, "curve": [(0.5, 0.4), (1.0, 0.7), (2.0, 0.6), (3.0, 0.9)]}
+    assert best_by_equal_wall(row) == 0.7  # not the later 0.9, not the 0.6 at the moment itself
+    rows = [_row("dbs_async", s, 0.0) | {"equal_wall_s": 1.0, "curve": [(1.0, 0.9 + 0.01 * s)]} for s in range(3)]
+    rows += [_row("asgd", s, 0.0) | {"equal_wall_s": 1.0, "curve": [(1.0, 0.8)]} for s in range(3)]
+    paired_table([r | {"best_by_equal_wall": best_by_equal_wall(r)} for r in rows], "best_by_equal_wall")
+    assert "| mnist | 2x | dbs_async - asgd | 3 | +0.1100 |" in capsys.readouterr().out
