@@ -12,6 +12,8 @@ from typing import Any
 
 # each DBS form against the baselines it is compared with: ASGD's server, and n-softsync's at n = 2
 PAIRS = {"dbs_async": ("asgd", "softsync_n2"), "dbs_async_n2": ("softsync_n2", "asgd")}
+# the paired differences also set DBS-SGD beside DDP, the synchronous alternative
+PAIRED = {"dbs_async": ("asgd", "softsync_n2", "ddp"), "dbs_async_n2": ("softsync_n2", "asgd")}
 
 # two-sided 95 % quantiles of Student's t by degrees of freedom (1-20); beyond 20, 20's (conservative)
 _T95: tuple[float, ...] = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228)
@@ -147,7 +149,7 @@ def paired_table(rows: Sequence[dict[str, Any]], what: str = "acc_equal_wall") -
     interval excludes zero (with 3 seeds an interval is wide: a difference inside it is not shown)."""
     print(f"\n| workload | slowdown | {what}: difference | seeds | mean | 95 % interval | verdict |")
     print("|---|---|---|---|---|---|---|")
-    for dbs, baselines in PAIRS.items():
+    for dbs, baselines in PAIRED.items():
         for base in baselines:
             for (workload, factor), diffs in paired_differences(rows, dbs, base, what).items():
                 ci = t_interval(diffs)
