@@ -34,9 +34,9 @@ def seed_curves(dirs: list[Path]) -> list[list[float]]:
     return [c[:epochs] for c in curves]
 
 
-def mean_curve(curves: list[list[float]]) -> list[float]:
-    """Per-epoch mean over ``curves`` (of equal length)."""
-    return [sum(col) / len(col) for col in zip(*curves, strict=True)]
+def epoch_stats(curves: list[list[float]]) -> list[tuple[float, float, float]]:
+    """Per epoch, ``(mean, lowest, highest)`` over ``curves`` (of equal length, one per seed)."""
+    return [(sum(col) / len(col), min(col), max(col)) for col in zip(*curves, strict=True)]
 
 
 def plot(runs: dict[str, list[list[float]]], path: Path) -> None:
@@ -49,14 +49,10 @@ def plot(runs: dict[str, list[list[float]]], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     for label, curves in runs.items():
         epochs = range(1, len(curves[0]) + 1)
-        line = ax.plot(
-            epochs,
-            mean_curve(curves),
-            marker="o",
-            label=label if len(curves) == 1 else f"{label} ({len(curves)} seeds)",
-        )
+        mean, lo, hi = zip(*epoch_stats(curves), strict=True)
+        name = label if len(curves) == 1 else f"{label} ({len(curves)} seeds)"
+        line = ax.plot(epochs, mean, marker="o", label=name)
         if len(curves) > 1:
-            lo, hi = ([f(col) for col in zip(*curves, strict=True)] for f in (min, max))
             ax.fill_between(epochs, lo, hi, color=line[0].get_color(), alpha=0.15)
     ax.set(xlabel="epoch", ylabel="validation accuracy")
     ax.legend(fontsize=8)
@@ -78,14 +74,12 @@ def main(argv: list[str]) -> int:
     print("| run | " + " | ".join(str(e + 1) for e in range(epochs)) + " |")
     print("|---" * (epochs + 1) + "|")
     for label, curves in runs.items():
-        print(f"| {label} | " + " | ".join(_cell(list(col)) for col in zip(*curves, strict=True)) + " |")
+        cells = (
+            f"{m:.3f}" if len(curves) == 1 else f"{m:.3f} ({lo:.3f}-{hi:.3f})" for m, lo, hi in epoch_stats(curves)
+        )
+        print(f"| {label} | " + " | ".join(cells) + " |")
     plot(runs, Path(argv[0]))
     return 0
-
-
-def _cell(seeds: list[float]) -> str:
-    mean = f"{sum(seeds) / len(seeds):.3f}"
-    return mean if len(seeds) == 1 else f"{mean} ({min(seeds):.3f}-{max(seeds):.3f})"
 
 
 if __name__ == "__main__":
