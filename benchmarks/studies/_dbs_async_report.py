@@ -7,13 +7,14 @@ their cells print empty, so ``--report`` reads every ``--out`` file the study ev
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Sequence
 from typing import Any
 
 # each DBS form against the baselines it is compared with: ASGD's server, and n-softsync's at n = 2
 PAIRS = {"dbs_async": ("asgd", "softsync_n2"), "dbs_async_n2": ("softsync_n2", "asgd")}
 # the paired differences also set DBS-SGD beside DDP, the synchronous alternative
-PAIRED = {"dbs_async": ("asgd", "softsync_n2", "ddp"), "dbs_async_n2": ("softsync_n2", "asgd")}
+PAIRED = PAIRS | {"dbs_async": (*PAIRS["dbs_async"], "ddp")}
 
 # two-sided 95 % quantiles of Student's t by degrees of freedom (1-20); beyond 20, 20's (conservative)
 _T95: tuple[float, ...] = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228)
@@ -138,9 +139,8 @@ def t_interval(diffs: Sequence[float]) -> tuple[float, float, float] | None:
     n = len(diffs)
     if n < 2:
         return None
-    mean = sum(diffs) / n
-    sd = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (n - 1))
-    half = _T95[min(n - 1, len(_T95)) - 1] * sd / math.sqrt(n)
+    mean = statistics.fmean(diffs)
+    half = _T95[min(n - 1, len(_T95)) - 1] * statistics.stdev(diffs) / math.sqrt(n)
     return mean, mean - half, mean + half
 
 
