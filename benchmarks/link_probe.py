@@ -66,7 +66,7 @@ def _transfers(rank: int, words: int) -> dict[str, Callable[[], None]]:
         for work in (dist.isend(out, 1 - rank), dist.irecv(into, 1 - rank)):
             _wait(work)
 
-    return {"one way": one_way, "both ways": both_ways, "all-reduce": lambda: dist.all_reduce(into)}
+    return dict(zip(MODES, (one_way, both_ways, lambda: dist.all_reduce(into)), strict=True))
 
 
 def _wait(work: Any) -> None:
