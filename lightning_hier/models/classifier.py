@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import lightning.pytorch as pl
@@ -116,9 +117,26 @@ class Classifier(pl.LightningModule):
             opt = torch.optim.AdamW(self.parameters(), lr=hp["lr"], weight_decay=hp["weight_decay"])
         if hp["scheduler"] == "none" and hp["warmup_steps"] == 0:
             return opt
-        total = max(1, int(self.trainer.estimated_stepping_batches))
+        total = self._fit_steps() if hp["scheduler"] == "cosine" else 0  # a warm-up alone needs no length
         sched = torch.optim.lr_scheduler.LambdaLR(opt, _Schedule(hp["scheduler"], hp["warmup_steps"], total))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def _fit_steps(self) -> int:
+        """Optimizer steps of the whole fit, which the cosine spans.
+
+        Raises:
+            ValueError: The Trainer cannot tell (a training loader without a length and no
+                ``max_steps``).
+        """
+        steps = self.trainer.estimated_stepping_batches
+        if not math.isfinite(steps) or steps < 1:  # Lightning gives max_steps (-1: unset) for a loader of no length
+            raise ValueError(
+                f"{type(self).__name__}: scheduler='cosine' spans the whole fit, but the Trainer cannot tell how many "
+                f"steps it has (trainer.estimated_stepping_batches is {steps}: the training loader has no length, "
+                "as with an IterableDataset, and no max_steps is set). Set Trainer(max_steps=...) or use "
+                "scheduler='none' (a warm-up still works)."
+            )
+        return max(1, int(steps))
 
 
 class _Schedule:

@@ -139,3 +139,26 @@ def test_small_cnn_layer_blocks_are_the_same_network_cut_finer():
     x = torch.randn(2, 3, 32, 32)
     stages.eval(), layers.eval()
     torch.testing.assert_close(layers(x), stages(x), rtol=0, atol=0)
+
+
+class _Stream(torch.utils.data.IterableDataset):
+    """Samples with no length: the Trainer cannot count the steps of the fit."""
+
+    def __iter__(self):
+        g = torch.Generator().manual_seed(0)
+        for _ in range(8):
+            yield torch.randn(1, 8, 8, generator=g), torch.randint(0, 10, (), generator=g)
+
+
+def test_a_cosine_over_a_fit_of_unknown_length_is_rejected_naming_the_scheduler():
+    import lightning.pytorch as pl
+
+    from lightning_hier.models import Classifier
+
+    loader = torch.utils.data.DataLoader(_Stream(), batch_size=4)
+    kwargs = {"accelerator": "cpu", "max_epochs": 1, "logger": False, "enable_checkpointing": False}
+    warm = Classifier(mlp((1, 8, 8), 10, hidden=(8,)), 10, lr=0.1, warmup_steps=4)
+    pl.Trainer(**kwargs, enable_progress_bar=False).fit(warm, loader)  # a warm-up alone needs no length
+    cosine = Classifier(mlp((1, 8, 8), 10, hidden=(8,)), 10, scheduler="cosine")
+    with pytest.raises(ValueError, match=r"Classifier: scheduler='cosine'.*estimated_stepping_batches is -1"):
+        pl.Trainer(**kwargs, enable_progress_bar=False).fit(cosine, loader)
