@@ -13,6 +13,7 @@ from datetime import timedelta
 
 from typing_extensions import Self
 
+from lightning_hier.algorithms.claim_sampler import claim_payload
 from lightning_hier.algorithms.param_server import ServerCore
 from lightning_hier.algorithms.ps_service import Group, ParameterServer, Worker, connect
 
@@ -81,6 +82,19 @@ class ServerLink:
         if self.server is not None:
             self.server.start()
         self.serving = True
+
+    def claim(self, epoch: int, n: int, num_samples: int, speed: float = 0.0) -> tuple[int, int]:
+        """Claim the next ``n`` samples of ``epoch`` from the server's shared queue: ``(start, count)``.
+
+        Serves again first (:meth:`resume`): the training loader fetches a batch ahead, so the
+        first claim after a pause (validation, a checkpoint) may come before the training batch
+        that would resume. ``n = 0`` asks for this worker's share, sized by the server from
+        ``speed`` (samples/s; 0: not measured yet).
+        """
+        self.resume()
+        (reply,) = require_worker(self).claim([claim_payload(epoch, n, num_samples, speed)])
+        start, count = (int(x) for x in reply.tolist())
+        return start, count
 
     def metrics(self) -> dict[str, float]:
         """The server's staleness and per-worker metrics (on the server's rank; empty elsewhere)."""

@@ -10,11 +10,13 @@ it and the next training batch resumes it, as in the parameter-server strategies
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
 
+from lightning_hier.algorithms.claim_sampler import ClaimQueue
 from lightning_hier.algorithms.grawa_async import GrawaServerHandler
 from lightning_hier.algorithms.param_server import ServerCore
 from lightning_hier.algorithms.ps_link import SERVER_RANK, ServerLink
@@ -30,7 +32,14 @@ class AsyncRounds(ServerLink):
     """
 
     @classmethod
-    def start(cls, topology: Topology, flat: FlatTensors, variant: str, timeout: timedelta) -> AsyncRounds:
+    def start(
+        cls,
+        topology: Topology,
+        flat: FlatTensors,
+        variant: str,
+        timeout: timedelta,
+        claims: Callable[[], ClaimQueue] | None = None,
+    ) -> AsyncRounds:
         """Build the service group and connect (a collective on every rank); rank 0 starts serving.
 
         Args:
@@ -38,12 +47,14 @@ class AsyncRounds(ServerLink):
             flat: This rank's flat parameter buckets (the server's template and initial replicas).
             variant: GRAWA's ``'model'`` or ``'layer'``.
             timeout: Longest silence of a worker, and longest wait for a reply.
+            claims: Builds the server's shared queue of samples (``sampler='shared'``; ``None``: none).
         """
         group = topology.build_service_group(timeout)
         workers = list(range(topology.world_size))
 
         def core() -> ServerCore:
-            return ServerCore(GrawaServerHandler(flat, workers, variant), workers)
+            queue = claims() if claims is not None else None
+            return ServerCore(GrawaServerHandler(flat, workers, variant), workers, claims=queue)
 
         return cls.connect(core, group, dist.get_rank(), SERVER_RANK, timeout)
 

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_hier.algorithms.claim_sampler import ClaimQueue, claim_payload
+from lightning_hier.algorithms.claim_sampler import ClaimQueue
 from lightning_hier.algorithms.param_server import PUSH, Handler, ServerCore
 from lightning_hier.algorithms.ps_link import SERVER_RANK, ServerLink, require_worker, served_workers
 from lightning_hier.algorithms.ps_rules import FlatModel
@@ -195,15 +195,13 @@ class PSAdapter:
 
         Called by the training sampler (:class:`~lightning_hier.algorithms.claim_sampler.ClaimBatchSampler`)
         when Lightning fetches a batch, which may be before the first training batch or after a
-        pause (validation, a checkpoint): the server is (re)started first. ``n = 0`` asks for this
-        rank's share, sized by the server from ``speed`` (samples/s; 0: not measured yet).
+        pause (validation, a checkpoint): the server is (re)started first. See
+        :meth:`~lightning_hier.algorithms.ps_link.ServerLink.claim`.
         """
         self.start()
-        worker = require_worker(self.link)  # type: ignore[arg-type]  # start() connected it
+        assert self.link is not None  # start() connected it
         with self.comm_stats.blocked():
-            (reply,) = worker.claim([claim_payload(epoch, n, num_samples, speed)])
-        start, count = (int(x) for x in reply.tolist())
-        return start, count
+            return self.link.claim(epoch, n, num_samples, speed)
 
     def keep_pace(self) -> None:
         """Rank 0 serving only: hand the server this step's learning rate, wait for the step, load.

@@ -27,6 +27,7 @@ from lightning_hier.comm.collectives import Group
 from lightning_hier.strategies._async_rounds import AsyncRounds
 from lightning_hier.strategies._finite import loss_of
 from lightning_hier.strategies._probe import draw, first, fresh_batches_of, isolated_rng
+from lightning_hier.strategies._shared_queue import SharedQueueStrategy
 from lightning_hier.strategies._step_sync import local_sigterm_check
 from lightning_hier.strategies._two_level import TWO_LEVEL_ARGS
 from lightning_hier.strategies._user_model import muted_logs
@@ -40,7 +41,7 @@ PROBES = ("fresh", "batch", "step")
 ROUNDS = ("sync", "async")
 
 
-class GrawaStrategy(AveragingStrategy):
+class GrawaStrategy(SharedQueueStrategy, AveragingStrategy):
     """GRAWA: every ``tau`` steps, pull each replica toward a center weighted by inverse gradient norms.
 
     Registered as ``grawa`` (variant from the arguments), ``mgrawa`` (``variant='model'``) and
@@ -93,6 +94,16 @@ class GrawaStrategy(AveragingStrategy):
             longer than ``timeout`` (no round) fails the run naming it: keep ``tau`` steps well
             under ``timeout``. Resuming restores the server's table from rank 0's state, but an
             asynchronous run is not bit-identical on resume (the arrival order is the machine's).
+        sampler: Where each rank's training batches come from. ``'split'`` (default): Lightning's
+            ``DistributedSampler``, so every rank takes the same number of steps per epoch and a
+            fast rank waits for a slow one at the epoch's end even with asynchronous rounds.
+            ``'shared'`` (needs ``rounds='async'``): every rank claims its next batch from a queue
+            on the server, so a fast rank trains more of the epoch's samples (and reports more
+            rounds) than a slow one, and every sample is trained once per epoch across the ranks;
+            the Trainer options this rules out (per-step validation, ``max_steps``, step-based
+            checkpoints or time limits) are rejected at set-up, and a schedule sized by
+            ``trainer.estimated_stepping_batches`` cannot be built (the epoch has no length). As
+            :class:`~lightning_hier.strategies.param_server.AsgdStrategy`'s ``sampler``.
         sync_buffers: Average floating-point buffers (BatchNorm statistics) uniformly at every round.
         bucket_size_mb: Size bound of the flat buffers reduced in one call (MiB, >= 0.001).
     {two_level}
@@ -136,6 +147,7 @@ class GrawaStrategy(AveragingStrategy):
         probe: str = "fresh",
         probe_seed: int = 0,
         rounds: str = "sync",
+        sampler: str = "split",
         sync_buffers: bool = True,
         bucket_size_mb: float = 25.0,
         inter_node_every: int | None = None,
@@ -152,6 +164,12 @@ class GrawaStrategy(AveragingStrategy):
         self.probe = v.check_choice(owner, "probe", probe, PROBES)
         self.probe_seed = v.check_int(owner, "probe_seed", probe_seed, minimum=0)
         self.rounds = v.check_choice(owner, "rounds", rounds, ROUNDS)
+        if self._check_sampler(sampler) == "shared" and self.rounds != "async":
+            raise ValueError(
+                f"{owner}: argument `sampler`='shared' needs rounds='async': with the shared queue the ranks take "
+                "different numbers of steps, and lock-step rounds are collectives every rank must reach at the same "
+                f"step; got rounds={self.rounds!r}. Use rounds='async' or sampler='split'."
+            )
         self._async: AsyncRounds | None = None
         self._fresh: Any = None  # the FreshBatches of every training DataLoader (probe='fresh')
         self._configure(
@@ -182,10 +200,20 @@ class GrawaStrategy(AveragingStrategy):
         super()._setup_algorithm(trainer)
         if self.rounds == "async" and self.algorithm is not None:
             local_sigterm_check(trainer)  # else Lightning's per-step broadcast keeps the workers in lock-step
+            self._check_shared(trainer)  # every rank raises the same error, before any claim
             policy = self.algorithm.policy
             assert isinstance(policy, AsyncGradientWeightedCenter)
-            self._async = AsyncRounds.start(self.topology, self.algorithm.flat, self.variant, self._timeout)
+            claims = self._claim_queue if self.sampler == "shared" else None
+            self._async = AsyncRounds.start(self.topology, self.algorithm.flat, self.variant, self._timeout, claims)
             policy.connect(require_worker(self._async).call, self.barrier)
+
+    @override
+    def _claim(self, epoch: int, n: int, num_samples: int) -> tuple[int, int]:
+        link = self._async  # looked up at each claim: the loader may be built before set-up (an LR schedule)
+        if link is None:
+            raise self._fetched_before_setup()
+        with self.comm_stats.blocked():
+            return link.claim(epoch, n, num_samples)
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:

@@ -21,17 +21,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.pytorch.utilities.data import extract_batch_size
-from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_hier import _validate as v
-from lightning_hier.algorithms.claim_sampler import ClaimQueue, claim_batch_loader
 from lightning_hier.algorithms.ps_link import SERVERS, served_workers
 from lightning_hier.algorithms.ps_rules import AsgdHandler, SoftsyncHandler
-from lightning_hier.strategies._base import HierStrategy
-from lightning_hier.strategies._dbs_shares import global_seed
 from lightning_hier.strategies._ps_adapter import HandlerFactory, PSAdapter
-from lightning_hier.strategies._shared_queue import SAMPLERS, check_shared_trainer
+from lightning_hier.strategies._shared_queue import SharedQueueStrategy
 from lightning_hier.strategies._step_sync import local_sigterm_check
 
 if TYPE_CHECKING:
@@ -42,7 +38,7 @@ if TYPE_CHECKING:
     from torch.optim import Optimizer
 
 
-class ParameterServerWorker(HierStrategy):
+class ParameterServerWorker(SharedQueueStrategy):
     """What a strategy needs to train through the parameter server (not registered itself).
 
     Subclasses implement :meth:`_handler`; :meth:`_push_weight` scales the pushed gradient (1).
@@ -52,7 +48,6 @@ class ParameterServerWorker(HierStrategy):
 
     ps: PSAdapter | None = None
     server: str = "rank0"
-    sampler: str = "split"
     _service_group: Any = None
     _batch_samples = 0
 
@@ -60,8 +55,7 @@ class ParameterServerWorker(HierStrategy):
         """Check and keep the ``server`` (``'rank0'`` or ``'dedicated'``) and ``sampler`` arguments."""
         owner = type(self).__name__
         self.server = v.check_choice(owner, "server", server, SERVERS)
-        self.sampler = v.check_choice(owner, "sampler", sampler, SAMPLERS)
-        if self.sampler == "shared" and self.server == "dedicated":
+        if self._check_sampler(sampler) == "shared" and self.server == "dedicated":
             raise ValueError(
                 f"{owner}: argument `sampler`='shared' needs every rank to train (each claims its own batches), "
                 "but server='dedicated' makes rank 0 only serve, in step with the workers; use server='rank0' "
@@ -122,47 +116,21 @@ class ParameterServerWorker(HierStrategy):
         return 1.0
 
     # ------------------------------------------------------------------ sampler='shared'
-    @override
-    def process_dataloader(self, dataloader: object) -> object:
-        """With ``sampler='shared'``, the training loader claims its batches from the server's queue."""
-        if self.sampler != "shared" or not self._training_stage:
-            return super().process_dataloader(dataloader)
-        owner = type(self).__name__
-        if not isinstance(dataloader, DataLoader):
-            raise TypeError(f"{owner}: sampler='shared' needs a torch DataLoader, got {type(dataloader).__name__}.")
-        batch_size, on_batch = self._claim_size(dataloader)
-        loader = claim_batch_loader(dataloader, batch_size, self._claim, global_seed(), owner, on_batch)
-        # past any other batching of the bases (DBS's sampler): only the resumable-position wrapping
-        return HierStrategy.process_dataloader(self, loader)
-
-    def _claim_size(self, loader: DataLoader[Any]) -> tuple[int, Callable[[int], None] | None]:
-        """Samples each claim asks for (0: the server's share) and a hook told every batch's size."""
-        if loader.batch_size is None:
-            raise ValueError(
-                f"{type(self).__name__}: sampler='shared' claims batch_size samples at a time, but the training "
-                "DataLoader has none (a custom batch sampler); use DataLoader(dataset, batch_size=...)."
-            )
-        return loader.batch_size, None
-
     def _claim_speed(self) -> float:
         """This rank's measured speed, sent with each claim (0: none; only DBS sizes claims by it)."""
         return 0.0
 
+    @override
     def _claim(self, epoch: int, n: int, num_samples: int) -> tuple[int, int]:
         ps = self.ps  # looked up at each claim: the loader may be built before the server (an LR schedule)
         if ps is None:
-            raise RuntimeError(f"{type(self).__name__}: a training batch was fetched before set-up.")
+            raise self._fetched_before_setup()
         return ps.claim(epoch, n, num_samples, self._claim_speed())
-
-    def _claim_queue(self) -> ClaimQueue:
-        """The server's shared queue (built on rank 0 when the server starts)."""
-        return ClaimQueue()
 
     @override
     def _setup_algorithm(self, trainer: pl.Trainer) -> None:
         local_sigterm_check(trainer)  # else Lightning's per-step broadcast keeps the workers in lock-step
-        if self.sampler == "shared":  # every rank raises the same error, before any claim
-            check_shared_trainer(type(self).__name__, trainer)
+        self._check_shared(trainer)  # every rank raises the same error, before any claim
         optimizer = self._require_single_optimizer()
         if self._service_group is None:  # a collective: every rank sets up together, once
             self._service_group = self.topology.build_service_group(self._timeout)
