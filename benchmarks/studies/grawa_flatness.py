@@ -43,7 +43,19 @@ from lightning_hier.data.datamodule import ArrayDataModule
 from lightning_hier.models import Classifier, mlp, small_cnn
 from lightning_hier.testing import run_workers
 
-METHODS = ("ddp", "localsgd", "easgd", "lsgd", "mgrawa", "lgrawa", "mgrawa_async", "lgrawa_async")
+METHODS = (
+    "ddp",
+    "localsgd",
+    "easgd",
+    "lsgd",
+    "mgrawa",
+    "lgrawa",
+    "mgrawa_async",
+    "lgrawa_async",
+    "mgrawa_async_shared",
+    "lgrawa_async_shared",
+)
+"""``*_async``: ``rounds='async'``; ``*_async_shared``: also ``sampler='shared'`` (a fast rank trains more)."""
 
 
 class _Timeline(Callback):
@@ -79,10 +91,11 @@ def _strategy(method: str, tau: int) -> Any:
     common: dict[str, Any] = {"timeout": 120}
     if method == "ddp":
         return "ddp"
-    if method.endswith("grawa") or method.endswith("_async"):
+    if "grawa" in method:
         variant = "layer" if method.startswith("l") else "model"
-        rounds = "async" if method.endswith("_async") else "sync"
-        return GrawaStrategy(variant=variant, tau=tau, rounds=rounds, **common)
+        rounds = "async" if "_async" in method else "sync"
+        sampler = "shared" if method.endswith("_shared") else "split"
+        return GrawaStrategy(variant=variant, tau=tau, rounds=rounds, sampler=sampler, **common)
     cls = {"localsgd": LocalSGDStrategy, "easgd": EasgdStrategy, "lsgd": LsgdStrategy}[method]
     return cls(tau=tau, **common)
 
@@ -114,7 +127,7 @@ def _workload(args: argparse.Namespace) -> tuple[ArrayDataModule, Classifier]:
         momentum=0.9,
         nesterov=True,
         weight_decay=1e-4,
-        scheduler="cosine",
+        scheduler=args.scheduler,
         warmup_steps=args.warmup,
     )
     return dm, module
@@ -236,6 +249,12 @@ def main() -> None:
     parser.add_argument("--val-size", type=int, default=2000, help="cifar10 validation images (test subset)")
     parser.add_argument("--batch-size", type=int, default=64, help="cifar10 batch per rank")
     parser.add_argument("--warmup", type=int, default=20, help="cifar10 warm-up steps")
+    parser.add_argument(
+        "--scheduler",
+        default="cosine",
+        choices=("cosine", "none"),
+        help="cifar10 learning rate after the warm-up: a cosine over the fit, or constant (needed by *_shared)",
+    )
     parser.add_argument("--seeds", nargs="+", type=int, default=[0])
     parser.add_argument("--factors", nargs="+", type=float, default=[1.0, 4.0])
     parser.add_argument("--flat-batches", type=int, default=8)
@@ -244,6 +263,12 @@ def main() -> None:
     parser.add_argument("--out", help="also write the rows to this JSON file")
     parser.add_argument("--tables", nargs="+", help="print the table of these JSON files of rows; train nothing")
     args = parser.parse_args()
+    shared = [m for m in args.methods if m.endswith("_shared")]
+    if shared and args.workload == "cifar10" and args.scheduler == "cosine":
+        parser.error(
+            f"--methods {' '.join(shared)}: with sampler='shared' the epoch has no length, so a cosine over the fit "
+            "cannot be sized; add --scheduler none (every method then trains at a constant rate after the warm-up)."
+        )
     if args.tables:
         rows = [r for path in args.tables for r in json.loads(Path(path).read_text())]
     else:
