@@ -95,7 +95,7 @@ def _workload(
     model = run.get("model") or reference.get("model") or {}
     if not model.get("parameters") or not run.get("steps") or not reference.get("steps"):
         return None
-    batch = round(run["samples"] / run["steps"] / (replicas or world))
+    batch = round(run["samples"] / mean_steps(run) / (replicas or world))
     reference_batch = reference["samples"] / reference["steps"] / world
     sample_s = (reference["train_s"] - rounds_s) / reference["steps"] / factor / reference_batch
     tensor_words = tuple(int(n) for n in model.get("tensor_words") or ())
@@ -122,6 +122,12 @@ def _workload(
         blocks=blocks,
         model=preset.model if preset is not None else None,
     )
+
+
+def mean_steps(run: dict[str, Any]) -> float:
+    """The run's optimizer steps per rank, on average: with ``sampler='shared'`` a fast rank takes more."""
+    steps = run.get("rank_steps") or [run["steps"]]
+    return sum(steps) / len(steps)
 
 
 def _model_overrides(run: dict[str, Any]) -> set[str]:
@@ -198,7 +204,7 @@ def _with_consensus(p: Prediction, cluster: Cluster, run: dict[str, Any]) -> Pre
     if not wire or not run.get("steps"):
         return p
     consensus_s = wire * max(cluster.byte_s, cluster.cpu_s_per_byte)
-    step_s = p.step_s + run["epochs"] * consensus_s / run["steps"]
+    step_s = p.step_s + run["epochs"] * consensus_s / mean_steps(run)
     return replace(p, step_s=step_s, detail={**p.detail, "consensus_s": consensus_s})
 
 
@@ -224,7 +230,7 @@ def _with_warmup(steady: Prediction, workload: Workload, cluster: Cluster, run: 
     """
     config = run.get("strategy_config") or {}
     early = int(config.get("warmup_steps", 5)) + int(config.get("rebalance_every", 20))
-    steps = int(run["steps"])
+    steps = round(mean_steps(run))
     sizes = config.get("initial_sizes") or [workload.batch_size] * cluster.workers
     initial = predict(steady.strategy, workload, cluster, **steady.args, shares=sizes)
     n = min(early, steps)

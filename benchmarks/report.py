@@ -43,6 +43,7 @@ def summarize(scenario: Scenario, job: JobResult) -> dict[str, Any]:
         "strategy_config": ranks[0].get("strategy_config"),
         "epochs": epochs,
         "steps": int(ranks[0]["steps"]),
+        "rank_steps": [int(r["steps"]) for r in ranks],  # unequal with sampler='shared'
         "samples": samples,
         "train_s": train_s,
         "wall_s": max(float(r["wall_s"]) for r in ranks),

@@ -32,6 +32,8 @@ OPS = (">=", "<=", "~")
 APPROX_TOLERANCE = 1.5  # '~' is met within a factor 1.5 of the value, either way
 PIPELINE_BATCH = ("data.batch_size=256",)
 """The global batch of every pipeline run and of the single-process run it is compared with."""
+CONSTANT_RATE = ("optim.scheduler=none",)
+"""A ``sampler='shared'`` run's schedule: its epoch has no length to size the recipe's cosine by."""
 
 
 @dataclass(frozen=True)
@@ -349,6 +351,17 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("dbs_straggler", "localsgd", {"tau": 8}),
     Scenario("dbs_straggler", "dbs_async", {}),
     Scenario("dbs_straggler", "asgd", {}),
+    # the shared queue: the fast rank trains more of each epoch (no cosine: the epoch has no length)
+    Scenario("dbs_straggler", "asgd", {"sampler": "shared"}, label="asgd-shared", overrides=CONSTANT_RATE),
+    Scenario("dbs_straggler", "dbs_async", {"sampler": "shared"}, label="dbs_async-shared", overrides=CONSTANT_RATE),
+    Scenario("dbs_straggler", "mgrawa", {"tau": 32, "rounds": "async"}, label="mgrawa-async"),
+    Scenario(
+        "dbs_straggler",
+        "mgrawa",
+        {"tau": 32, "rounds": "async", "sampler": "shared"},
+        label="mgrawa-async-shared",
+        overrides=CONSTANT_RATE,
+    ),
     _pipeline("decoupled_cnn", {}),  # K=2 stages, 1 replica
     _pipeline("decoupled_cnn", {"wire_dtype": "bf16"}, "decoupled-bf16"),
     # every layer a block: the balanced cut falls inside the first conv stage (after its ReLU), which

@@ -27,6 +27,14 @@ no network between its worker and the server):
   of an epoch, where validation and checkpoints are, every worker having the same number of
   batches; every ``rebalance_every`` steps for ``dbs_async``), so a period lasts
   ``k max_w c_w`` and faster workers wait at its end.
+- **the shared queue** (``sampler='shared'``): the workers claim the epoch's batches, so each
+  takes requests at its own rate ``1 / c_w`` until the queue runs dry, and the epoch lasts
+  ``N / sum_w (n_w / c_w)`` (``n_w`` samples per request) plus the request the slowest worker
+  has in flight then, half a cycle on average (``max_w c_w / 2``). No worker waits for another
+  inside the epoch and ``dbs_async`` has no rebalance meeting (the server sizes each claim).
+  Every worker is busy throughout, so the staleness is the always-busy value, averaged over
+  the applied contributions (a fast worker's count more); rank 0's share of the requests,
+  ``(1 / c_0) / sum_w (1 / c_w)``, crosses no link.
 - **staleness** of a contribution (what ``ps/staleness_mean`` counts): server updates between the
   worker's pull and the update that applies it. While workers ``A`` are busy, worker ``w``'s
   contribution sees the others' ``c_w sum_{v in A, v != w} 1 / c_v`` requests, ``1 / ceil(W / n)``
@@ -42,8 +50,9 @@ a step is the slowest worker's compute and push, the update, and the ``W - 1`` r
 after the other; staleness 0.
 
 Not modelled: the server's center computation of asynchronous GRAWA (its CPU cost is left out),
-the drain, pull and consensus broadcast at every meeting (per epoch), and the lower server load
-once fast workers wait.
+the drain, pull and consensus broadcast at every meeting (per epoch), the lower server load
+once fast workers wait, and with the shared queue the claims (one small round trip to the
+server per batch of a remote worker).
 """
 
 from __future__ import annotations
@@ -113,6 +122,12 @@ def served_cycles(
     return cycles
 
 
+def busy_staleness(cycles: Sequence[float], group: int = 1) -> list[float]:
+    """Each worker's staleness while every worker is busy: the others' requests in its cycle, per update."""
+    rates = [1 / c for c in cycles]
+    return [c * (sum(rates) - r) / group for c, r in zip(cycles, rates, strict=True)]
+
+
 def staleness(cycles: Sequence[float], k: float, group: int = 1) -> tuple[list[float], list[float]]:
     """Per-worker mean staleness over a period of ``k`` requests each, and the always-busy values.
 
@@ -120,7 +135,7 @@ def staleness(cycles: Sequence[float], k: float, group: int = 1) -> tuple[list[f
     shrinks. Returns ``(over the period, always busy)``.
     """
     rates = [1 / c for c in cycles]
-    busy = [c * (sum(rates) - r) / group for c, r in zip(cycles, rates, strict=True)]
+    busy = busy_staleness(cycles, group)
     ends = sorted({k * c for c in cycles})
     total = [0.0] * len(cycles)
     start = 0.0
@@ -133,8 +148,19 @@ def staleness(cycles: Sequence[float], k: float, group: int = 1) -> tuple[list[f
     return [t / k for t in total], busy
 
 
+SAMPLERS = ("split", "shared")
+"""Where the workers' batches come from: their own shards (equal counts) or the server's shared queue."""
+
+
 def _mean(per_worker: Sequence[float]) -> float:
     return sum(per_worker) / len(per_worker)  # every worker applies the same number k per period
+
+
+def check_sampler(name: str, sampler: str) -> str:
+    """``sampler`` if it is one of :data:`SAMPLERS`, else a ValueError naming ``name``'s argument."""
+    if sampler not in SAMPLERS:
+        raise ValueError(f"{name}: `sampler` must be one of {', '.join(map(repr, SAMPLERS))}, got {sampler!r}.")
+    return sampler
 
 
 @dataclass(frozen=True)
@@ -149,6 +175,8 @@ class Loop:
         period: Requests of each worker between two meetings.
         meeting: The collective of a meeting (DBS's rebalance table).
         group: Requests per server update (softsync's ``ceil(W / n)``).
+        shared: The workers claim the epoch's batches from the server (``sampler='shared'``):
+            no meetings inside the epoch, ``period`` and ``meeting`` unused.
     """
 
     steps: float
@@ -157,6 +185,7 @@ class Loop:
     period: float
     meeting: Comm = NONE
     group: int = 1
+    shared: bool = False
 
 
 def _served(
@@ -182,6 +211,8 @@ def _served(
     # rank 0's own request is served while its training thread waits for the reply: no competition
     server_cpu = [apply + cpu_bytes if r else 0.0 for r in remote] if args.get("server_shares_core") else []
     cycles = served_cycles(compute, think, service, server_cpu)
+    if loop.shared:
+        return _claimed(name, args, workload, batches, request, loop, compute, cycles)
     k, steps = loop.period, loop.steps
     elapsed = k * max(cycles) + loop.meeting.time_s
     per_worker, busy = staleness(cycles, k, loop.group)
@@ -206,6 +237,48 @@ def _served(
     )
 
 
+def _claimed(
+    name: str,
+    args: dict[str, Any],
+    workload: Workload,
+    batches: Sequence[float],
+    request: tuple[Comm, Comm],
+    loop: Loop,
+    compute: Sequence[float],
+    cycles: Sequence[float],
+) -> Prediction:
+    """:func:`_served` with the shared queue: every worker busy at its own rate until the epoch runs dry."""
+    push, reply = request
+    p, steps = len(cycles), loop.steps
+    rates = [1 / c for c in cycles]
+    spe = steps_per_epoch(workload, p)
+    throughput = sum(steps * b * r for b, r in zip(batches, rates, strict=True))  # samples per second
+    tail = max(cycles) / 2  # the slowest worker's request in flight when the queue runs dry
+    epoch = spe * sum(batches) / throughput + tail
+    busy = busy_staleness(cycles, loop.group)
+    fastest = min(range(p), key=lambda w: compute[w])
+    remote = 1 - rates[0] / sum(rates)  # the share of requests that cross a link (rank 0's do not)
+    return Prediction(
+        name,
+        args,
+        p,
+        step_s=epoch / spe,
+        samples_per_step=sum(batches),
+        steps_per_epoch=spe,
+        wire_bytes=remote * (push.wire_bytes + reply.wire_bytes) / steps,
+        payload_bytes=(push.payload_bytes + reply.payload_bytes) / steps,
+        blocked_s=max(0.0, cycles[fastest] - compute[fastest]) / steps + tail / spe,
+        staleness=sum(r * s for r, s in zip(rates, busy, strict=True)) / sum(rates),
+        detail={
+            "cycle_s": list(cycles),
+            "staleness_per_worker": busy,
+            "staleness_busy": busy,
+            "requests_share": [r / sum(rates) for r in rates],
+            "server_link_bytes_per_step": remote * p * push.wire_bytes / steps,
+        },
+    )
+
+
 def _flat_push(workload: Workload, cluster: Cluster) -> tuple[Comm, Comm]:
     """A gradient push and the weights' reply; ``CommStats`` counts the pushed gradient only."""
     push = message(workload.param_bytes, 1, cluster)
@@ -215,27 +288,40 @@ def _flat_push(workload: Workload, cluster: Cluster) -> tuple[Comm, Comm]:
 
 def _ps_rule(name: str, workload: Workload, cluster: Cluster, args: dict[str, Any], group: int) -> Prediction:
     batches = [float(workload.batch_size)] * cluster.workers
+    shared = check_sampler(name, args["sampler"]) == "shared"
     # the worker's own optimizer step runs on the server instead; the workers meet at the epoch's end
-    loop = Loop(1.0, -workload.step_s, workload.step_s, steps_per_epoch(workload, cluster.workers), group=group)
+    spe = steps_per_epoch(workload, cluster.workers)
+    loop = Loop(1.0, -workload.step_s, workload.step_s, spe, group=group, shared=shared)
     return _served(name, args, workload, cluster, batches, _flat_push(workload, cluster), loop)
 
 
 def asgd(
-    workload: Workload, cluster: Cluster, staleness_lr: bool = False, server_shares_core: bool = True
+    workload: Workload,
+    cluster: Cluster,
+    staleness_lr: bool = False,
+    server_shares_core: bool = True,
+    sampler: str = "split",
 ) -> Prediction:
     """ASGD: every worker pushes its gradient to rank 0's server, which applies it at once and replies."""
-    args = {"staleness_lr": staleness_lr, "server_shares_core": server_shares_core}
+    args = {"staleness_lr": staleness_lr, "server_shares_core": server_shares_core, "sampler": sampler}
     return _ps_rule("asgd", workload, cluster, args, 1)
 
 
 def softsync(
-    workload: Workload, cluster: Cluster, n: int = 1, staleness_lr: bool = False, server_shares_core: bool = True
+    workload: Workload,
+    cluster: Cluster,
+    n: int = 1,
+    staleness_lr: bool = False,
+    server_shares_core: bool = True,
+    sampler: str = "split",
 ) -> Prediction:
     """n-softsync: the server applies the mean of every ``ceil(W / n)`` gradients (``n = 1``: synchronous)."""
     p = cluster.workers
     if not 1 <= n <= p:
         raise ValueError(f"softsync: `n` must be an integer in [1, {p}] (the number of workers), got {n!r}.")
-    args = {"n": n, "staleness_lr": staleness_lr, "server_shares_core": server_shares_core}
+    if check_sampler("softsync", sampler) == "shared" and n == 1:
+        raise ValueError("softsync: `sampler`='shared' needs n >= 2 (n=1 is synchronous: equal steps), got n=1.")
+    args = {"n": n, "staleness_lr": staleness_lr, "server_shares_core": server_shares_core, "sampler": sampler}
     if n > 1:
         return _ps_rule("softsync", workload, cluster, args, ceil(p / n))
     push, reply = _flat_push(workload, cluster)
@@ -262,16 +348,19 @@ def dbs_async(
     rebalance_every: int = 20,
     server_shares_core: bool = True,
     shares: Sequence[float] | None = None,
+    sampler: str = "split",
 ) -> Prediction:
     """DBS's speed-proportional batch shares driving ASGD workers; they meet every ``rebalance_every`` steps.
 
     ``shares``: fixed per-worker batches instead (before the first rebalance), as
-    :func:`~.strategies.dbs` (:func:`~.prediction.batch_shares`).
+    :func:`~.strategies.dbs` (:func:`~.prediction.batch_shares`). With ``sampler='shared'`` the
+    server sizes each claim from the reported speeds: no meeting.
     """
     p = cluster.workers
     shares = batch_shares(workload, cluster, shares)
     table = all_reduce(p * 4 * FLOAT64, p, cluster)  # as DBS's rebalance (see the synchronous model)
-    args = {"rebalance_every": rebalance_every, "server_shares_core": server_shares_core}
+    args = {"rebalance_every": rebalance_every, "server_shares_core": server_shares_core, "sampler": sampler}
+    shared = check_sampler("dbs_async", sampler) == "shared"
     prediction = _served(
         "dbs_async",
         args,
@@ -279,14 +368,21 @@ def dbs_async(
         cluster,
         shares,
         _flat_push(workload, cluster),
-        Loop(1.0, -workload.step_s, workload.step_s, float(rebalance_every), table),
+        Loop(1.0, -workload.step_s, workload.step_s, float(rebalance_every), table, shared=shared),
     )
     prediction.detail["shares"] = shares
     return prediction
 
 
 def grawa_async(
-    name: str, workload: Workload, cluster: Cluster, tau: int, probe: str, width: int, server_shares_core: bool = True
+    name: str,
+    workload: Workload,
+    cluster: Cluster,
+    tau: int,
+    probe: str,
+    width: int,
+    server_shares_core: bool = True,
+    sampler: str = "split",
 ) -> Prediction:
     """GRAWA's asynchronous rounds: after its own ``tau`` steps a worker reports its replica and pulls the center.
 
@@ -298,8 +394,9 @@ def grawa_async(
     report = message(workload.param_bytes + (width + 2) * FLOAT64, 2, cluster)
     center = message(workload.param_bytes + p * (width + 1) * FLOAT64, 2, cluster)
     extra = 0.0 if probe == "step" else workload.batch_size * workload.sample_s
-    args = {"tau": tau, "probe": probe, "rounds": "async", "server_shares_core": server_shares_core}
+    args = {"tau": tau, "probe": probe, "rounds": "async", "server_shares_core": server_shares_core, "sampler": sampler}
     batches = [float(workload.batch_size)] * p
+    shared = check_sampler(name, sampler) == "shared"
     # the server's update is the center of the replicas (its CPU cost is not modelled)
-    loop = Loop(float(tau), extra, 0.0, steps_per_epoch(workload, p) / tau)
+    loop = Loop(float(tau), extra, 0.0, steps_per_epoch(workload, p) / tau, shared=shared)
     return _served(name, args, workload, cluster, batches, (report, center), loop)

@@ -210,15 +210,30 @@ def lsgd(workload: Workload, cluster: Cluster, tau: int = 4, sync_buffers: bool 
 
 
 def _grawa(
-    name: str, workload: Workload, cluster: Cluster, tau: int, sync_buffers: bool, probe: str, rounds: str, width: int
+    name: str,
+    workload: Workload,
+    cluster: Cluster,
+    width: int,
+    common: tuple[int, bool, str],
+    rounds: str,
+    **async_args: Any,
 ) -> Prediction:
+    """GRAWA's model; ``common`` is ``(tau, sync_buffers, probe)``, ``async_args`` the asynchronous rounds' options.
+
+    ``async_args`` (``sampler``, ``server_shares_core``) only apply to ``rounds='async'``; a shared
+    queue with lock-step rounds is an error (every worker takes the same steps there).
+    """
+    tau, sync_buffers, probe = common
     if rounds == "async":
         # imported here: the asynchronous models build on this module's shared pieces
         from lightning_hier.simulator.asynchronous import grawa_async
 
-        return grawa_async(name, workload, cluster, tau, probe, width)
+        return grawa_async(name, workload, cluster, tau, probe, width, **async_args)
     if rounds != "sync":
         raise ValueError(f"{name}: `rounds` must be 'sync' or 'async', got {rounds!r}.")
+    sampler = async_args.get("sampler", "split")
+    if sampler != "split":
+        raise ValueError(f"{name}: `sampler`={sampler!r} needs rounds='async' (lock-step rounds: equal steps).")
     p = cluster.workers
     center = all_reduce(p * (width + 1) * FLOAT64, p, cluster) + all_reduce(workload.param_bytes, p, cluster)
     extra = 0.0 if probe == "step" else workload.batch_size * workload.sample_s
@@ -234,9 +249,14 @@ def mgrawa(
     sync_buffers: bool = True,
     probe: str = "fresh",
     rounds: str = "sync",
+    sampler: str = "split",
+    server_shares_core: bool = True,
 ) -> Prediction:
     """MGRAWA: one weight per worker (the score table has a score and a norm per worker)."""
-    return _grawa("mgrawa", workload, cluster, tau, sync_buffers, probe, rounds, 1)
+    common = (tau, sync_buffers, probe)
+    return _grawa(
+        "mgrawa", workload, cluster, 1, common, rounds, sampler=sampler, server_shares_core=server_shares_core
+    )
 
 
 def lgrawa(
@@ -246,9 +266,15 @@ def lgrawa(
     sync_buffers: bool = True,
     probe: str = "fresh",
     rounds: str = "sync",
+    sampler: str = "split",
+    server_shares_core: bool = True,
 ) -> Prediction:
     """LGRAWA: one weight per worker and parameter tensor."""
-    return _grawa("lgrawa", workload, cluster, tau, sync_buffers, probe, rounds, workload.tensors)
+    common = (tau, sync_buffers, probe)
+    width = workload.tensors
+    return _grawa(
+        "lgrawa", workload, cluster, width, common, rounds, sampler=sampler, server_shares_core=server_shares_core
+    )
 
 
 def dbs(

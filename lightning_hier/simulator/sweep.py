@@ -35,10 +35,19 @@ CANDIDATES: dict[str, list[dict[str, Any]]] = {
     "dbs_async": [{}],
     "mgrawa-async": [{"tau": t, "rounds": "async"} for t in (4, 8, 16, 32, 64)],
     "lgrawa-async": [{"tau": t, "rounds": "async"} for t in (4, 8, 16, 32, 64)],
+    "asgd-shared": [{"sampler": "shared"}],
+    "dbs_async-shared": [{"sampler": "shared"}],
+    "mgrawa-async-shared": [{"tau": t, "rounds": "async", "sampler": "shared"} for t in (4, 8, 16, 32, 64)],
 }
 """Arguments searched per row (the period, window or softsync's ``n`` in increasing order)."""
-ROW_MODEL = {"mgrawa-async": "mgrawa", "lgrawa-async": "lgrawa"}
-"""Rows that are another model with other arguments (GRAWA's asynchronous rounds)."""
+ROW_MODEL = {
+    "mgrawa-async": "mgrawa",
+    "lgrawa-async": "lgrawa",
+    "asgd-shared": "asgd",
+    "dbs_async-shared": "dbs_async",
+    "mgrawa-async-shared": "mgrawa",
+}
+"""Rows that are another model with other arguments (GRAWA's asynchronous rounds, the shared queue)."""
 ROWS = tuple(CANDIDATES)
 
 
@@ -121,7 +130,8 @@ def _crossing_text(count: int | None, smallest: int) -> str:
 
 
 def _args_text(p: Prediction) -> str:
-    shown = {k: v for k, v in p.args.items() if k in ("window", "tau", "pipe", "grid", "n", "rounds") and v != "sync"}
+    keys = ("window", "tau", "pipe", "grid", "n", "rounds", "sampler")
+    shown = {k: v for k, v in p.args.items() if k in keys and v not in ("sync", "split")}
     return ",".join(f"{k}={'x'.join(map(str, v)) if isinstance(v, tuple) else v}" for k, v in shown.items())
 
 

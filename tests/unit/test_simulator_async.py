@@ -140,3 +140,56 @@ def test_bad_async_arguments_name_the_argument():
         predict("softsync", _workload(), Cluster(2, LINK), n=3)
     with pytest.raises(ValueError, match=r"mgrawa: `rounds` must be 'sync' or 'async', got 'later'"):
         predict("mgrawa", _workload(), Cluster(2, LINK), rounds="later")
+
+
+def test_the_shared_queue_with_a_2x_straggler_hand_derived():
+    """Two workers, worker 1 twice as slow (cycles t and 2t), free link, no update cost, 20 steps of 64.
+
+    Claiming from the queue, worker 0 takes 2 requests for each of worker 1's: 48 samples per t,
+    so the 1,280 samples take 80/3 t, plus half the slow worker's cycle in flight at the end (t).
+    Both are busy throughout: staleness 0.5 and 2, and per applied gradient (2 fast for 1 slow)
+    the mean is W - 1 = 1. The split (each worker 640 samples) lasts 20 slow cycles, 40 t.
+    """
+    c = Cluster(2, FREE, speeds=one_straggler(2, 2.0))
+    shared = predict("asgd", _workload(), c, sampler="shared", **ALONE)
+    split = predict("asgd", _workload(), c, **ALONE)
+    assert shared.epoch_s == pytest.approx(80 / 3 * T + T)
+    assert split.epoch_s == pytest.approx(40 * T)
+    assert shared.staleness == pytest.approx(1.0)
+    assert shared.detail["staleness_per_worker"] == pytest.approx([0.5, 2.0])
+    assert shared.detail["requests_share"] == pytest.approx([2 / 3, 1 / 3])
+    assert shared.blocked_s == pytest.approx(T / 20)  # the fast worker waits only for the epoch's tail
+    # DBS's claims sized 2:1 already even the cycles out: the queue changes only the meetings (none)
+    d = predict("dbs_async", _workload(), c, sampler="shared", **ALONE)
+    assert d.detail["cycle_s"] == pytest.approx([4 / 3 * T, 4 / 3 * T])
+    assert d.epoch_s == pytest.approx(20 * 4 / 3 * T + 2 / 3 * T)
+
+
+def test_the_shared_queue_sends_rank_0s_requests_over_no_link():
+    """Equal speeds: on a free link every worker takes 1 / W of the requests, the bytes are the split's and
+    the epoch is the split's plus half a cycle (the last request in flight). On a real link rank 0 (in
+    process, no transfer) cycles faster and takes more, so fewer requests cross a link. (The serving
+    thread has a core of its own here: sharing rank 0's would slow rank 0 instead.)"""
+    w = _workload(step_s=0.001)
+    for name, args in (("asgd", {}), ("softsync", {"n": 2}), ("mgrawa", {"rounds": "async", "tau": 4})):
+        split = predict(name, w, Cluster(3, FREE), **args, **ALONE)
+        shared = predict(name, w, Cluster(3, FREE), sampler="shared", **args, **ALONE)
+        assert shared.detail["requests_share"] == pytest.approx([1 / 3] * 3)
+        assert (shared.wire_bytes, shared.payload_bytes) == pytest.approx((split.wire_bytes, split.payload_bytes))
+        assert shared.epoch_s == pytest.approx(split.epoch_s + max(split.detail["cycle_s"]) / 2)
+        split = predict(name, w, Cluster(3, LINK), **args, **ALONE)
+        shared = predict(name, w, Cluster(3, LINK), sampler="shared", **args, **ALONE)
+        share = shared.detail["requests_share"][0]
+        assert share > 1 / 3
+        assert shared.wire_bytes == pytest.approx(split.wire_bytes * (1 - share) / (2 / 3))
+        assert shared.payload_bytes == pytest.approx(split.payload_bytes)  # CommStats counts rank 0's too
+
+
+def test_bad_sampler_arguments_name_the_argument():
+    w, c = _workload(), Cluster(2, LINK)
+    with pytest.raises(ValueError, match=r"asgd: `sampler` must be one of 'split', 'shared', got 'queue'"):
+        predict("asgd", w, c, sampler="queue")
+    with pytest.raises(ValueError, match=r"softsync: `sampler`='shared' needs n >= 2"):
+        predict("softsync", w, c, n=1, sampler="shared")
+    with pytest.raises(ValueError, match=r"mgrawa: `sampler`='shared' needs rounds='async'"):
+        predict("mgrawa", w, c, sampler="shared")

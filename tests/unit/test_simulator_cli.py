@@ -43,7 +43,7 @@ def test_predict_prints_the_table_plots_and_recommends(workload_file, tmp_path, 
     assert main([*args, "--stragglers", "straggler:2"]) == 0
     out = capsys.readouterr().out
     rows = ("ddp", "hpsgd", "localsgd", "easgd", "lsgd", "mgrawa", "lgrawa", "dbs", "decoupled", "grid2d", "asgd")
-    for name in (*rows, "softsync", "dbs_async", "mgrawa-async", "lgrawa-async"):
+    for name in (*rows, "softsync", "dbs_async", "mgrawa-async", "lgrawa-async", "asgd-shared", "mgrawa-async-shared"):
         assert f"| {name} |" in out
     assert "| W=8 | W=64 |" in out
     assert "Recommended at W=64:" in out
