@@ -198,18 +198,28 @@ def _acc_at(points: list[tuple[float, float]], t: float) -> float | None:
     return before[-1] if before else None
 
 
+def _time_to(points: list[tuple[float, float]], target: float) -> float | None:
+    """The wall time of the first validation at or above ``target``; ``None`` if none reached it."""
+    return next((t for t, acc in points if acc >= target), None)
+
+
 def _mean(values: list[Any], spec: str) -> str:
     present = [v for v in values if v is not None]
     return format(statistics.mean(present), spec) if present else "-"
 
 
-def _table(rows: list[dict[str, Any]]) -> str:
+def _table(rows: list[dict[str, Any]], target: float | None = None) -> str:
+    """Markdown: one line per (straggler, method), means over the seeds; with ``target``, the time to it.
+
+    The time to ``target`` is the mean over the seeds that reached it, with how many did (``n/N``).
+    """
     methods = list(dict.fromkeys(r["method"] for r in rows))
     factors = sorted({r["factor"] for r in rows})
+    extra = f" s to {target:g} |" if target is not None else ""
     lines = [
         "| straggler | method | seeds | acc (end) | acc at t* | acc at b* | wall s | MB sent (rank 0) | Hessian trace "
-        "| top eigenvalue | staleness |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        f"| top eigenvalue | staleness |{extra}",
+        "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if extra else ""),
     ]
     for factor in factors:
         sel = [r for r in rows if r["factor"] == factor]
@@ -229,10 +239,13 @@ def _table(rows: list[dict[str, Any]]) -> str:
                 _mean([r["eig"] for r in rs], ".3f"),
                 _mean([r["staleness"] for r in rs], ".2f"),
             ]
+            if target is not None:
+                reached = [t for r in rs if (t := _time_to(r["timeline"], target)) is not None]
+                cells.append(f"{_mean(reached, '.1f')} ({len(reached)}/{len(rs)})")
             lines.append(f"| {factor:g}x | {m} | " + " | ".join(cells) + " |")
         lines.append(
             f"| {factor:g}x | t* = {t_star:.1f} s (fastest mean wall time), b* = {b_star / 1e6:.1f} MB "
-            "(fewest mean bytes) | | | | | | | | | |"
+            "(fewest mean bytes) | | | | | | | | | |" + (" |" if extra else "")
         )
     return "\n".join(lines)
 
@@ -262,6 +275,7 @@ def main() -> None:
     parser.add_argument("--power-iterations", type=int, default=100)
     parser.add_argument("--out", help="also write the rows to this JSON file")
     parser.add_argument("--tables", nargs="+", help="print the table of these JSON files of rows; train nothing")
+    parser.add_argument("--target", type=float, help="also the wall time to this validation accuracy")
     args = parser.parse_args()
     shared = [m for m in args.methods if m.endswith("_shared")]
     if shared and args.workload == "cifar10" and args.scheduler == "cosine":
@@ -275,7 +289,7 @@ def main() -> None:
         rows = run_workers(_work, args, devices=2, timeout=3600)[0]
         if args.out:
             Path(args.out).write_text(json.dumps(rows))
-    print(_table(rows))
+    print(_table(rows, args.target))
 
 
 if __name__ == "__main__":
