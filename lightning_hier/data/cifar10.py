@@ -198,6 +198,8 @@ def load_cifar10_arrays(root: str | Path, cache_dir: str | Path | None = None, t
     """Train and test splits as :class:`Arrays` (the test split is used for validation).
 
     ``train_size`` keeps a fixed random subset of the training images (see :class:`CIFAR10DataModule`).
+    The test split comes in a fixed random order (seed 0), whatever the source's order, so that its
+    first batches hold every class in proportion.
     """
     x_train, y_train = read_cifar10_split(root, "train", cache_dir)
     x_val, y_val = read_cifar10_split(root, "test", cache_dir)
@@ -206,6 +208,10 @@ def load_cifar10_arrays(root: str | Path, cache_dir: str | Path | None = None, t
         # class, so the first `train_size` images would hold only one or two classes
         keep = np.sort(np.random.default_rng(0).permutation(len(x_train))[:train_size])
         x_train, y_train = x_train[keep], y_train[keep]
+    # validation in a fixed mixed order: Lightning does not shuffle it, so with class-by-class image
+    # folders `limit_val_batches=4` (or any first batches) validated on airplane to cat only
+    mixed = np.random.default_rng(0).permutation(len(x_val))
+    x_val, y_val = x_val[mixed], y_val[mixed]
     return Arrays(
         torch.from_numpy(x_train),
         torch.from_numpy(y_train),

@@ -78,6 +78,18 @@ def test_cifar10_train_size_is_a_fixed_subset_with_every_class(tmp_path):
     assert all(int(x[0, 0, 0]) // 10 == int(y) for x, y in zip(a.x_train, a.y_train, strict=True))
 
 
+def test_cifar10_validation_order_is_fixed_and_mixed(tmp_path):
+    # Lightning does not shuffle validation: a class-by-class tree's first 20 images are classes 0
+    # and 1 only, so `limit_val_batches` would validate on two classes
+    _image_tree(tmp_path / "tree", per_class=10)
+    a = load_cifar10_arrays(tmp_path / "tree", cache_dir=tmp_path / "cache")
+    b = load_cifar10_arrays(tmp_path / "tree", cache_dir=tmp_path / "cache")
+    assert torch.equal(a.x_val, b.x_val) and torch.equal(a.y_val, b.y_val)
+    assert sorted(a.y_val.tolist()) == sorted(i // 10 for i in range(100))  # every image once
+    assert len(set(a.y_val[:20].tolist())) >= 6
+    assert all(int(x[0, 0, 0]) // 10 == int(y) for x, y in zip(a.x_val, a.y_val, strict=True))
+
+
 def test_cifar10_python_batches_in_an_archive(tmp_path):
     def batch(n: int, seed: int) -> bytes:
         rng = np.random.default_rng(seed)
