@@ -29,8 +29,9 @@ no network between its worker and the server):
   ``k max_w c_w`` and faster workers wait at its end.
 - **the shared queue** (``sampler='shared'``): the workers claim the epoch's batches, so each
   takes requests at its own rate ``1 / c_w`` until the queue runs dry, and the epoch lasts
-  ``N / sum_w (n_w / c_w)`` (``n_w`` samples per request) plus the request the slowest worker
-  has in flight then, half a cycle on average (``max_w c_w / 2``). No worker waits for another
+  ``N / sum_w (n_w / c_w)`` (``n_w`` samples per request) plus the batch the slowest worker
+  has in flight then, half of one on average (``max_w c_w / 2`` for the parameter servers; a
+  GRAWA request is ``tau`` batches, each claimed alone: ``max_w c_w / (2 tau)``). No worker waits for another
   inside the epoch and ``dbs_async`` has no rebalance meeting (the server sizes each claim).
   Every worker is busy throughout, so the staleness is the always-busy value, averaged over
   the applied contributions (a fast worker's count more); rank 0's share of the requests,
@@ -253,7 +254,9 @@ def _claimed(
     rates = [1 / c for c in cycles]
     spe = steps_per_epoch(workload, p)
     throughput = sum(steps * b * r for b, r in zip(batches, rates, strict=True))  # samples per second
-    tail = max(cycles) / 2  # the slowest worker's request in flight when the queue runs dry
+    # the slowest worker's batch in flight when the queue runs dry: each batch is claimed alone, so a
+    # GRAWA worker stops within one of its tau steps (its partial round is the epoch's consensus)
+    tail = max(cycles) / steps / 2
     epoch = spe * sum(batches) / throughput + tail
     busy = busy_staleness(cycles, loop.group)
     fastest = min(range(p), key=lambda w: compute[w])
