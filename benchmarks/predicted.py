@@ -25,6 +25,8 @@ Calibration, all from the same invocation (nothing is fitted to the run being pr
 - DBS (``dbs``, ``dbs_async``) over the run's fit: its first ``warmup_steps + rebalance_every``
   steps keep the initial (equal) batch sizes, the rest the speed-proportional shares
   (:func:`_with_warmup`; a short benchmark run spends half its steps before the first rebalance);
+  with the shared queue each worker sizes its claims after its *own* first steps, so the initial
+  sizes last the slowest worker's first claims (:func:`_with_claimed_warmup`);
 - bytes per epoch: the model's wire bytes plus :data:`HEADERS` (TCP/IP framing), plus the
   ``no-comm`` run's bytes per epoch that were not its validation consensus (rendezvous store,
   metric syncs), plus the consensus each epoch's validation needs (:func:`_validation_bytes`:
@@ -233,10 +235,38 @@ def _with_warmup(steady: Prediction, workload: Workload, cluster: Cluster, run: 
     steps = round(mean_steps(run))
     sizes = config.get("initial_sizes") or [workload.batch_size] * cluster.workers
     initial = predict(steady.strategy, workload, cluster, **steady.args, shares=sizes)
+    if steady.args.get("sampler") == "shared":
+        return _with_claimed_warmup(steady, initial, early, steps * steady.samples_per_step)
     n = min(early, steps)
     step_s = (n * initial.step_s + (steps - n) * steady.step_s) / steps
     detail = {**steady.detail, "initial_steps": n, "initial_step_s": initial.step_s, "steady_step_s": steady.step_s}
     return replace(steady, step_s=step_s, detail=detail)
+
+
+def _with_claimed_warmup(steady: Prediction, initial: Prediction, early: int, samples: float) -> Prediction:
+    """:func:`_with_warmup` with the shared queue: the initial sizes last until the *slowest* worker
+    has made its first ``early`` claims (each worker measures its own speed), and meanwhile the
+    fast workers claim more of the epoch. The fit's ``samples`` are split by time: the first
+    ``early`` slowest cycles at the initial rate, the rest at the steady one; the bytes per step are
+    mixed by the same share of the samples (a 1-epoch run at 100 Mbit/s: the straggler's 20 claims
+    never reach its first estimate, so every claim keeps the initial size)."""
+    warm_s = early * max(initial.detail["cycle_s"])
+    warm = min(samples, warm_s * initial.samples_per_s)
+    fit_s = warm / initial.samples_per_s + (samples - warm) / steady.samples_per_s
+    share = warm / samples
+    detail = {
+        **steady.detail,
+        "initial_step_s": initial.step_s,
+        "steady_step_s": steady.step_s,
+        "initial_cycle_s": initial.detail["cycle_s"],
+        "initial_samples_share": share,
+    }
+    return replace(
+        steady,
+        step_s=fit_s / (samples / steady.samples_per_step),
+        wire_bytes=share * initial.wire_bytes + (1 - share) * steady.wire_bytes,
+        detail=detail,
+    )
 
 
 def _fixed_bytes_per_epoch(reference: dict[str, Any]) -> float:

@@ -103,6 +103,37 @@ def test_dbs_keeps_equal_sizes_until_its_first_rebalance():
     assert steady < initial and fit.step_s == pytest.approx((25 * initial + 23 * steady) / 48)
 
 
+def _shared_dbs_async(steps: int) -> dict:
+    """:func:`_dbs_result` as ``dbs_async`` with ``sampler='shared'``."""
+    result = _dbs_result(steps)
+    config = {**result["runs"]["dbs"]["strategy_config"], "sampler": "shared"}
+    result["runs"]["dbs_async"] = {**result["runs"].pop("dbs"), "strategy": "dbs_async", "strategy_config": config}
+    return result
+
+
+def test_dbs_async_with_the_shared_queue_keeps_equal_claims_until_the_slowest_worker_measures():
+    """Each worker sizes its claims after its own first 25: the straggler's 25 take 25 of its cycles at
+    the initial size, during which the fast worker claims more. A fit shorter than that never rebalances
+    (the whole fit at the initial rate and bytes); a long one spends that time, then runs steady."""
+    short = _shared_dbs_async(16)
+    never = predict_run("dbs_async", short["runs"]["dbs_async"], short, world=2)
+    assert never is not None and never.detail["initial_samples_share"] == 1.0
+    # the one validation's consensus of the parameter server is on the training clock too (1 epoch)
+    assert never.step_s - never.detail["consensus_s"] / 16 == pytest.approx(never.detail["initial_step_s"])
+    long = _shared_dbs_async(2000)
+    fit = predict_run("dbs_async", long["runs"]["dbs_async"], long, world=2)
+    assert fit is not None
+    initial_s, steady_s = fit.detail["initial_step_s"], fit.detail["steady_step_s"]
+    share = fit.detail["initial_samples_share"]
+    # the warm-up's samples: 25 straggler cycles at the initial rate (256 samples per step either way)
+    cycle = max(fit.detail["initial_cycle_s"])  # the straggler's, at the initial (equal) sizes
+    assert cycle > max(fit.detail["cycle_s"])  # slower than at its steady (smaller) share
+    assert share == pytest.approx(25 * cycle * (256 / initial_s) / (2000 * 256))
+    training_s = fit.step_s - fit.detail["consensus_s"] / 2000
+    assert training_s == pytest.approx(share * initial_s + (1 - share) * steady_s)
+    assert 0 < share < 1  # (with the queue every worker is busy either way: the two rates are close)
+
+
 def _structured_result(net, strategy: str, config: dict, batch: int) -> dict:
     """A 2-rank run of ``strategy`` (``batch`` samples per step) beside its no-comm run (128 per rank and step)."""
     words = [p.numel() for p in net.parameters()]
