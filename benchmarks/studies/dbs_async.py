@@ -59,7 +59,7 @@ from benchmarks.rank_quotas import RankQuotas, rank_quotas
 from benchmarks.studies._dbs_async_report import print_rows, summary
 from benchmarks.studies._trainer import quiet_trainer
 from lightning_hier import AsgdStrategy, AsyncDBSStrategy, SoftsyncStrategy
-from lightning_hier.algorithms.claim_sampler import ClaimQueue
+from lightning_hier.algorithms.claim_sampler import SAMPLERS, ClaimQueue
 from lightning_hier.callbacks import Straggler
 from lightning_hier.data import CIFAR10DataModule, DigitsDataModule, MNISTDataModule
 from lightning_hier.data.datamodule import ArrayDataModule
@@ -74,7 +74,6 @@ RANKS, SLOW_RANK = 3, 2
 BATCH = 128
 STRAGGLERS = ("cgroup", "spin")
 SHARE = 0.6  # cores of a normal rank under --straggler cgroup: 0.6 + 0.6 + 0.6 / factor < 2 cores
-SAMPLERS = ("split", "shared")
 # each factory takes the DBS timer (the clock that sees the straggler's slowdown) and the sampler
 # a report of the speed rides on a claim under sampler='shared' (no all-gather): the study then measures
 # every 2 of a worker's own steps; with 10, the straggler (15 steps on CIFAR-10 at 4x) reported only

@@ -41,6 +41,8 @@ from lightning_hier.algorithms.dbs_split import check_split, split_batch
 from lightning_hier.algorithms.param_server import Request
 from lightning_hier.resumable import ResumePoint
 
+SAMPLERS = ("split", "shared")
+"""Where a rank's training batches come from: its own shard (``'split'``) or the server's shared queue."""
 ClaimFn = Callable[[int, int, int], tuple[int, int]]
 """``claim(epoch, n, num_samples) -> (start, count)``: positions ``[start, start + count)`` of the epoch's order."""
 KEEP_EPOCHS = 8

@@ -63,6 +63,7 @@ from dataclasses import dataclass
 from math import ceil
 from typing import Any
 
+from lightning_hier.algorithms.claim_sampler import SAMPLERS
 from lightning_hier.comm.ps_wire import HEADER_LEN
 from lightning_hier.simulator.collectives import NONE, Comm, all_reduce, sent
 from lightning_hier.simulator.inputs import Cluster, Workload
@@ -149,16 +150,16 @@ def staleness(cycles: Sequence[float], k: float, group: int = 1) -> tuple[list[f
     return [t / k for t in total], busy
 
 
-SAMPLERS = ("split", "shared")
-"""Where the workers' batches come from: their own shards (equal counts) or the server's shared queue."""
-
-
 def _mean(per_worker: Sequence[float]) -> float:
     return sum(per_worker) / len(per_worker)  # every worker applies the same number k per period
 
 
 def check_sampler(name: str, sampler: str) -> str:
-    """``sampler`` if it is one of :data:`SAMPLERS`, else a ValueError naming ``name``'s argument."""
+    """``sampler`` if it is one of :data:`~lightning_hier.algorithms.claim_sampler.SAMPLERS`.
+
+    Raises:
+        ValueError: Any other value, naming ``name``'s argument.
+    """
     if sampler not in SAMPLERS:
         raise ValueError(f"{name}: `sampler` must be one of {', '.join(map(repr, SAMPLERS))}, got {sampler!r}.")
     return sampler

@@ -55,15 +55,12 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_hier import _validate as v
-from lightning_hier.algorithms.claim_sampler import ClaimQueue, claim_batch_loader
+from lightning_hier.algorithms.claim_sampler import SAMPLERS, ClaimQueue, claim_batch_loader
 from lightning_hier.strategies._base import HierStrategy
 from lightning_hier.strategies._dbs_shares import global_seed
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
-
-SAMPLERS = ("split", "shared")
-"""Where a rank's training batches come from: its own shard (``'split'``) or the server's shared queue."""
 
 
 def _fail(owner: str, what: str, value: object, allowed: str) -> ValueError:
