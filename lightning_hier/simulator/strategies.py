@@ -214,16 +214,17 @@ def _grawa(
     workload: Workload,
     cluster: Cluster,
     width: int,
-    common: tuple[int, bool, str],
+    tau: int,
+    sync_buffers: bool,
+    probe: str,
     rounds: str,
     **async_args: Any,
 ) -> Prediction:
-    """GRAWA's model; ``common`` is ``(tau, sync_buffers, probe)``, ``async_args`` the asynchronous rounds' options.
+    """GRAWA's model (``width`` weights per worker); ``async_args`` are the asynchronous rounds' options.
 
     ``async_args`` (``sampler``, ``server_shares_core``) only apply to ``rounds='async'``; a shared
     queue with lock-step rounds is an error (every worker takes the same steps there).
     """
-    tau, sync_buffers, probe = common
     if rounds == "async":
         # imported here: the asynchronous models build on this module's shared pieces
         from lightning_hier.simulator.asynchronous import grawa_async
@@ -253,10 +254,8 @@ def mgrawa(
     server_shares_core: bool = True,
 ) -> Prediction:
     """MGRAWA: one weight per worker (the score table has a score and a norm per worker)."""
-    common = (tau, sync_buffers, probe)
-    return _grawa(
-        "mgrawa", workload, cluster, 1, common, rounds, sampler=sampler, server_shares_core=server_shares_core
-    )
+    async_args = {"sampler": sampler, "server_shares_core": server_shares_core}
+    return _grawa("mgrawa", workload, cluster, 1, tau, sync_buffers, probe, rounds, **async_args)
 
 
 def lgrawa(
@@ -270,11 +269,8 @@ def lgrawa(
     server_shares_core: bool = True,
 ) -> Prediction:
     """LGRAWA: one weight per worker and parameter tensor."""
-    common = (tau, sync_buffers, probe)
-    width = workload.tensors
-    return _grawa(
-        "lgrawa", workload, cluster, width, common, rounds, sampler=sampler, server_shares_core=server_shares_core
-    )
+    async_args = {"sampler": sampler, "server_shares_core": server_shares_core}
+    return _grawa("lgrawa", workload, cluster, workload.tensors, tau, sync_buffers, probe, rounds, **async_args)
 
 
 def dbs(
