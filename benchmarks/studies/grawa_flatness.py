@@ -101,7 +101,7 @@ def _strategy(method: str, tau: int) -> Any:
 
 
 class _CifarSubset(CIFAR10DataModule):
-    """CIFAR-10 validated on ``val_size`` test images (a fixed random subset: the files are class by class)."""
+    """CIFAR-10 validated on ``val_size`` test images (a fixed random subset of them)."""
 
     def __init__(self, val_size: int, **kwargs: Any) -> None:
         super().__init__(**kwargs)
