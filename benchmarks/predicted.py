@@ -21,15 +21,15 @@ Calibration, all from the same invocation (nothing is fitted to the run being pr
   ``hpsgd_mlp`` (HPSGD, window 4, 1 Gbit/s) and kept for every run;
 - each epoch's validation consensus (HPSGD, the averaging family when the epoch does not end on a
   round, the parameter servers) is on the training clock, so its time joins the fit's
-  (:func:`_with_consensus`);
+  (:func:`with_consensus`);
 - DBS (``dbs``, ``dbs_async``) over the run's fit: its first ``warmup_steps + rebalance_every``
   steps keep the initial (equal) batch sizes, the rest the speed-proportional shares
-  (:func:`_with_warmup`; a short benchmark run spends half its steps before the first rebalance);
+  (:func:`with_warmup`; a short benchmark run spends half its steps before the first rebalance);
   with the shared queue each worker sizes its claims after its *own* first steps, so the initial
-  sizes last the slowest worker's first claims (:func:`_with_claimed_warmup`);
+  sizes last the slowest worker's first claims (:func:`with_claimed_warmup`);
 - bytes per epoch: the model's wire bytes plus :data:`HEADERS` (TCP/IP framing), plus the
   ``no-comm`` run's bytes per epoch that were not its validation consensus (rendezvous store,
-  metric syncs), plus the consensus each epoch's validation needs (:func:`_validation_bytes`:
+  metric syncs), plus the consensus each epoch's validation needs (:func:`validation_bytes`:
   HPSGD always, the averaging family when an epoch does not end on a round, GRAWA's asynchronous
   rounds and the parameter-server strategies always); the payload column (what ``CommStats``
   counted over the fit) includes that consensus where ``CommStats`` counts it.
@@ -37,7 +37,7 @@ Calibration, all from the same invocation (nothing is fitted to the run being pr
 The pipeline and the grid need the network's structure: per-block costs (their shares from the
 simulator's preset of the same network, found by its tensor sizes, rescaled to the calibrated
 compute) and the layer list (built from the preset's model spec). The pipeline's prediction covers
-its epoch, drain included (:func:`_with_drain`). Runs the model does not cover print ``-``: DDP's
+its epoch, drain included (:func:`with_drain`). Runs the model does not cover print ``-``: DDP's
 communication-hook peers, and pipeline or grid runs of a network without a preset.
 """
 
@@ -51,9 +51,21 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from benchmarks.fit_model import (
+    REBALANCED,
+    mean_steps,
+    validation_bytes,
+    validation_forward_bytes,
+    with_consensus,
+    with_drain,
+    with_final_reports,
+    with_warmup,
+    with_whole_rounds,
+)
 from lightning_hier.simulator import Cluster, Prediction, Workload, all_reduce, one_straggler, parse_link, predict
 from lightning_hier.simulator.__main__ import PRESETS, workload_layers
 from lightning_hier.simulator.inputs import Block
+from lightning_hier.simulator.prediction import compute_s
 from lightning_hier.simulator.registry import MODELS
 
 EFFICIENCY = 0.944
@@ -126,12 +138,6 @@ def _workload(
     )
 
 
-def mean_steps(run: dict[str, Any]) -> float:
-    """The run's optimizer steps per rank, on average: with ``sampler='shared'`` a fast rank takes more."""
-    steps = run.get("rank_steps") or [run["steps"]]
-    return sum(steps) / len(steps)
-
-
 def _model_overrides(run: dict[str, Any]) -> set[str]:
     """The run's Hydra overrides of the network's options (``model.*``)."""
     return {o for o in run.get("overrides") or () if o.lstrip("+").startswith("model.")}
@@ -188,85 +194,10 @@ def predict_run(label: str, run: dict[str, Any], result: dict[str, Any], world: 
     args = {} if strategy == "no-comm" else {**_arguments(strategy, config), **structure}
     steady = predict(strategy, workload, cluster, **args)
     if strategy == "decoupled":
-        return _with_drain(steady)
-    fit = _with_warmup(steady, workload, cluster, run) if strategy in REBALANCED else steady
-    return fit if strategy == "no-comm" else _with_consensus(fit, cluster, run)
-
-
-def _with_consensus(p: Prediction, cluster: Cluster, run: dict[str, Any]) -> Prediction:
-    """The fit's mean step with the consensus each validation needs (:func:`_validation_bytes`).
-
-    The Recorder keeps that consensus on the training clock (the strategy builds it after the
-    validation hook), and the calibration already leaves the ``no-comm`` run's own out. It is one
-    transfer of the model per epoch, blocking: its wire bytes at the link's rate, or at gloo's CPU
-    cost per byte where that is slower. At 100 Mbit/s the MLP's 21 MB take 1.8 s, a fifth of a
-    16-step run.
-    """
-    _, wire = _validation_bytes(p, run)
-    if not wire or not run.get("steps"):
-        return p
-    consensus_s = wire * max(cluster.byte_s, cluster.cpu_s_per_byte)
-    step_s = p.step_s + run["epochs"] * consensus_s / mean_steps(run)
-    return replace(p, step_s=step_s, detail={**p.detail, "consensus_s": consensus_s})
-
-
-def _with_drain(p: Prediction) -> Prediction:
-    """The pipeline over its epoch: its ``drain`` iterations (filling and emptying the stages, in
-    the model's ``steps_per_epoch``) train no new samples, so the epoch's mean time per trained
-    step is ``epoch_s / (steps_per_epoch - drain)`` (the run's steps count trained batches)."""
-    trained = p.steps_per_epoch - p.detail["drain"]
-    return replace(p, step_s=p.epoch_s / trained) if trained > 0 else p
-
-
-REBALANCED = ("dbs", "dbs_async")
-"""DBS's strategies: their first ``warmup_steps + rebalance_every`` steps keep the initial batch sizes."""
-
-
-def _with_warmup(steady: Prediction, workload: Workload, cluster: Cluster, run: dict[str, Any]) -> Prediction:
-    """DBS over the run's whole fit: its first steps at the initial sizes, the rest at the steady shares.
-
-    DBS measures nothing in its first ``warmup_steps`` steps and rebalances first after
-    ``warmup_steps + rebalance_every``; until then every worker keeps its initial size (equal,
-    unless ``initial_sizes`` is given). A short run spends much of its fit there: 25 of 48 steps.
-    The fit's mean step is the step-weighted mean of the two predictions (closed form).
-    """
-    config = run.get("strategy_config") or {}
-    early = int(config.get("warmup_steps", 5)) + int(config.get("rebalance_every", 20))
-    steps = round(mean_steps(run))
-    sizes = config.get("initial_sizes") or [workload.batch_size] * cluster.workers
-    initial = predict(steady.strategy, workload, cluster, **steady.args, shares=sizes)
-    if steady.args.get("sampler") == "shared":
-        return _with_claimed_warmup(steady, initial, early, steps * steady.samples_per_step)
-    n = min(early, steps)
-    step_s = (n * initial.step_s + (steps - n) * steady.step_s) / steps
-    detail = {**steady.detail, "initial_steps": n, "initial_step_s": initial.step_s, "steady_step_s": steady.step_s}
-    return replace(steady, step_s=step_s, detail=detail)
-
-
-def _with_claimed_warmup(steady: Prediction, initial: Prediction, early: int, samples: float) -> Prediction:
-    """:func:`_with_warmup` with the shared queue: the initial sizes last until the *slowest* worker
-    has made its first ``early`` claims (each worker measures its own speed), and meanwhile the
-    fast workers claim more of the epoch. The fit's ``samples`` are split by time: the first
-    ``early`` slowest cycles at the initial rate, the rest at the steady one; the bytes per step are
-    mixed by the same share of the samples (a 1-epoch run at 100 Mbit/s: the straggler's 20 claims
-    never reach its first estimate, so every claim keeps the initial size)."""
-    warm_s = early * max(initial.detail["cycle_s"])
-    warm = min(samples, warm_s * initial.samples_per_s)
-    fit_s = warm / initial.samples_per_s + (samples - warm) / steady.samples_per_s
-    share = warm / samples
-    detail = {
-        **steady.detail,
-        "initial_step_s": initial.step_s,
-        "steady_step_s": steady.step_s,
-        "initial_cycle_s": initial.detail["cycle_s"],
-        "initial_samples_share": share,
-    }
-    return replace(
-        steady,
-        step_s=fit_s / (samples / steady.samples_per_step),
-        wire_bytes=share * initial.wire_bytes + (1 - share) * steady.wire_bytes,
-        detail=detail,
-    )
+        return with_drain(steady)
+    fit = with_warmup(steady, workload, cluster, run) if strategy in REBALANCED else steady
+    fit = with_final_reports(with_whole_rounds(fit, max(compute_s(workload, cluster)), run), run)
+    return fit if strategy == "no-comm" else with_consensus(fit, cluster, run)
 
 
 def _fixed_bytes_per_epoch(reference: dict[str, Any]) -> float:
@@ -275,31 +206,6 @@ def _fixed_bytes_per_epoch(reference: dict[str, Any]) -> float:
         return 0.0
     consensus = reference["payload_bytes"][0] / reference["epochs"] if reference.get("payload_bytes") else 0.0
     return max(0.0, float(reference["bytes_per_epoch"]) - consensus)  # at 2 ranks an all-reduce sends its payload
-
-
-SERVED = ("asgd", "softsync", "dbs_async")
-"""The parameter-server strategies: each meeting pulls the server's model and broadcasts it (not in CommStats)."""
-
-
-def _validation_bytes(p: Prediction, run: dict[str, Any]) -> tuple[float, float]:
-    """``(payload, wire)`` bytes per rank of the consensus that each epoch's validation needs.
-
-    HPSGD and the averaging family when an epoch does not end on a round: one all-reduce of the
-    parameters (LSGD: a broadcast); GRAWA's asynchronous rounds: a pull of the server's center at
-    every validation (point-to-point); the parameter-server strategies: a pull and a broadcast
-    of the server's model, neither counted by ``CommStats``.
-    """
-    per_epoch = run["steps"] / run["epochs"]
-    word = 2 if p.args.get("compression") == "bf16" else 4
-    model = word * float((run.get("model") or {}).get("parameters") or 0)
-    share = (p.workers - 1) / p.workers
-    if p.strategy in SERVED:
-        return 0.0, 2 * share * model  # the pull's reply and the broadcast, both from rank 0
-    if p.args.get("rounds") == "async":
-        return model, share * model
-    if p.strategy == "hpsgd" or ("tau" in p.args and per_epoch % int(p.args["tau"]) != 0):
-        return model, share * model * (1 if p.strategy == "lsgd" else 2)
-    return 0.0, 0.0
 
 
 def _error(predicted: float, measured: float | None) -> str:
@@ -349,13 +255,15 @@ def predicted_table(result: dict[str, Any], world: int) -> str:
 def predicted_bytes(p: Prediction, run: dict[str, Any], result: dict[str, Any]) -> tuple[float, float]:
     """``(wire bytes per epoch and rank, payload bytes per rank over the fit)`` predicted for ``run``."""
     overhead = _fixed_bytes_per_epoch(result["runs"].get(NO_COMM, {}))
-    validation, validation_wire = _validation_bytes(p, run)
+    validation, validation_wire = validation_bytes(p, run)
     # EASGD's center catches up with the replicas at the end of the fit: one all-reduce of the model
     catch_up = 4 * float((run.get("model") or {}).get("parameters") or 0) if p.strategy == "easgd" else 0.0
     share = (p.workers - 1) / p.workers
-    wire = (p.wire_bytes_per_epoch + validation_wire + 2 * share * catch_up / run["epochs"]) * (1 + HEADERS)
+    forward = validation_forward_bytes(p, run)
+    wire = (p.wire_bytes_per_epoch + validation_wire + forward + 2 * share * catch_up / run["epochs"]) * (1 + HEADERS)
     drain = p.detail.get("drain", 0) * run["epochs"]  # the pipeline's drain iterations send too
-    return wire + overhead, p.payload_bytes * (run["steps"] + drain) + validation * run["epochs"] + catch_up
+    payload = p.payload_bytes * (run["steps"] + drain) + (validation + forward) * run["epochs"] + catch_up
+    return wire + overhead, payload
 
 
 def _fill_models(results: dict[str, Any], logs_root: Path) -> None:

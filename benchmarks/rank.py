@@ -48,6 +48,8 @@ class Recorder(Callback):
         timeline: One entry per validation: ``epoch``, ``step``, ``train_s``, ``wall_s``,
             ``samples`` (this rank's, so far) and ``val_acc``.
         samples: Training samples this rank processed.
+        val_samples: Samples this rank validated (sanity checks left out): the grid's validation
+            forwards communicate (benchmarks/fit_model.py).
         train_s: Training time of the fit (set at the end).
         step_s: Seconds between consecutive training batches' ends, leaving out each epoch's first
             and last batch (the last holds the end-of-epoch and end-of-fit rounds of the averaging
@@ -68,6 +70,7 @@ class Recorder(Callback):
         self._sched0 = (0.0, 0.0)
         self.timeline: list[dict[str, float]] = []
         self.samples = 0
+        self.val_samples = 0
         self.train_s = 0.0
         self.wall_s = 0.0
         self.step_s: list[float] = []
@@ -80,7 +83,7 @@ class Recorder(Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._t0, self._val_s, self.samples, self.timeline = self.clock(), 0.0, 0, []
+        self._t0, self._val_s, self.samples, self.val_samples, self.timeline = self.clock(), 0.0, 0, 0, []
         self._sched0 = self.sched()
         self.step_s, self._epoch_steps, self._last_batch_end = [], [], None
 
@@ -114,6 +117,19 @@ class Recorder(Callback):
     ) -> None:
         if self._first_batch:
             self._val_start, self._first_batch = self.clock(), False
+
+    @override
+    def on_validation_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        if not trainer.sanity_checking:
+            self.val_samples += len(batch[0])
 
     @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -198,6 +214,7 @@ def _measurements(trainer: pl.Trainer, recorder: Recorder, cfg: Any, callbacks: 
         "epochs": trainer.current_epoch,
         "steps": trainer.global_step,
         "samples": recorder.samples,
+        "val_samples": recorder.val_samples,
         "train_s": recorder.train_s,
         "wall_s": recorder.wall_s,
         "timeline": recorder.timeline,

@@ -45,6 +45,7 @@ def summarize(scenario: Scenario, job: JobResult) -> dict[str, Any]:
         "steps": int(ranks[0]["steps"]),
         "rank_steps": [int(r["steps"]) for r in ranks],  # unequal with sampler='shared'
         "samples": samples,
+        "val_samples": ranks[0].get("val_samples"),  # rank 0's, over the fit
         "train_s": train_s,
         "wall_s": max(float(r["wall_s"]) for r in ranks),
         "launch_s": job.launch_s,

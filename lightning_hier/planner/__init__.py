@@ -31,6 +31,7 @@ from lightning_hier.planner.cost import (
     ReplicatedLayer,
     Transition,
     UnsupportedLayer,
+    inference_cost,
     layer_cost,
     network_cost,
 )
@@ -65,6 +66,7 @@ __all__ = [
     "best_grid",
     "cheapest",
     "format_table",
+    "inference_cost",
     "layer_cost",
     "measure_link",
     "measure_links",

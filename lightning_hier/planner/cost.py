@@ -350,6 +350,24 @@ def network_cost(
     return total
 
 
+TRAINING_ONLY = ("grad_batch", "grad_grid", "bn_stats")
+"""Kinds a forward pass in evaluation mode does not send: gradient reductions and batch statistics
+(BatchNorm normalises with its running statistics)."""
+
+
+def inference_cost(layers: list[Layer], pr: int, pc: int, batch: float, rank: int | None = None) -> Cost:
+    """One forward pass without gradients (validation) of a global batch ``batch``: the layers' forward terms.
+
+    Each layer as :func:`layer_cost` with no input gradient, less :data:`TRAINING_ONLY`: what is
+    left are the FC all-gathers, the halos' forward rows and the transition's gather.
+    """
+    total = Cost()
+    for layer in layers:
+        cost = layer_cost(layer, pr, pc, batch, False, rank)
+        total.merge(Cost({k: t for k, t in cost.terms.items() if k not in TRAINING_ONLY}))
+    return total
+
+
 def memory_bytes(layers: list[Layer], pr: int, pc: int, batch: float, word_bytes: int = 4, copies: int = 3) -> float:
     """Rough per-process memory: ``copies`` x parameters (weights, gradients, optimizer state) + saved inputs."""
     b, params, acts = batch / pc, 0.0, 0.0

@@ -235,6 +235,7 @@ def _served(
             "staleness_per_worker": per_worker,
             "staleness_busy": busy,
             "server_link_bytes_per_step": (p - 1) * push.wire_bytes / steps,
+            "request_wire_bytes": push.wire_bytes + reply.wire_bytes,
         },
     )
 
@@ -279,6 +280,7 @@ def _claimed(
             "staleness_busy": busy,
             "requests_share": [r / sum(rates) for r in rates],
             "server_link_bytes_per_step": remote * p * push.wire_bytes / steps,
+            "request_wire_bytes": push.wire_bytes + reply.wire_bytes,
         },
     )
 

@@ -47,7 +47,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from lightning_hier.planner.cost import Layer, network_cost
+from lightning_hier.planner.cost import Layer, inference_cost, network_cost
 from lightning_hier.simulator.collectives import NONE, Comm, all_reduce, broadcast, overlapped, p2p
 from lightning_hier.simulator.inputs import Cluster, Workload, split_blocks
 from lightning_hier.simulator.jitter import sync_wait
@@ -375,5 +375,10 @@ def grid2d(
         wire_bytes=words,
         payload_bytes=words,
         blocked_s=step - min(work),
-        detail={"comm_s": comm_s, "messages": cost.messages},
+        detail={
+            "comm_s": comm_s,
+            "messages": cost.messages,
+            # a validation sample's forward through the grid (one per batch column) communicates too
+            "validation_bytes_per_sample": inference_cost(list(layers), pr, pc, pc).words * workload.word_bytes,
+        },
     )

@@ -207,3 +207,49 @@ def test_easgds_end_of_fit_catch_up_is_one_more_model_of_payload():
     _, payload = predicted_bytes(p, run, result)
     assert payload == pytest.approx(run["payload_bytes"][0], rel=0.005)
     assert payload == pytest.approx(9 * 4 * run["model"]["parameters"], rel=0.005)
+
+
+def _sim18d(name: str, workload: str) -> dict:
+    return json.loads((RESULTS.parent / "sim18d" / f"{name}.json").read_text())["workloads"][workload]
+
+
+def test_a_fit_shorter_than_tau_completes_no_round_and_sends_only_its_final_one():
+    """grawa_cnn at 1 Gbit/s (sim18d/grawa_mgl_1g_r3.json): MGRAWA and LGRAWA with tau 32 over a
+    24-step fit complete no round; CommStats counted one model (the final round, with the buffers
+    and the score table), as the no-comm run's end of fit."""
+    result = _sim18d("grawa_mgl_1g_r3", "grawa_cnn")
+    for label in ("mgrawa", "lgrawa"):
+        run = result["runs"][label]
+        p = predict_run(label, run, result, world=2)
+        assert p is not None and p.detail["rounds_share"] == 0.0
+        wire, payload = predicted_bytes(p, run, result)
+        assert payload == pytest.approx(run["payload_bytes"][0], rel=0.001)
+        assert wire == pytest.approx(run["bytes_per_epoch"], rel=0.01)
+
+
+def test_asynchronous_grawa_counts_each_remote_workers_final_partial_report():
+    """dbs_straggler with the shared queue (sim18d/shared_*.json): the straggler (rank 1) took about
+    40 of the 128 steps, one full period of tau = 32 and a partial one, so it crossed the link twice,
+    report and reply each time, not 40 / 32 times."""
+    for link in ("1g", "100m", "unl"):
+        result = _sim18d(f"shared_{link}", "dbs_straggler")
+        run = result["runs"]["mgrawa-async-shared"]
+        p = predict_run("mgrawa-async-shared", run, result, world=2)
+        assert p is not None and p.detail["remote_round_trips"] == 2
+        wire, _ = predicted_bytes(p, run, result)
+        assert wire == pytest.approx(run["bytes_per_epoch"], rel=0.02)
+
+
+def test_the_grids_validation_forwards_are_predicted_byte_for_byte():
+    """grid2d_mlp on a 2 x 1 grid (sim18d/grid_*.json): besides its training steps, CommStats counted
+    the validation's forwards, each sample's activations gathered across the 2 MODEL rows. Those
+    runs validated 4 batches of 500 (``limit_val_batches=4``, the CIFAR-10 data's ``val_batch_size``)
+    before ``val_samples`` was recorded."""
+    for link in ("100m", "1g", "unl"):
+        result = _sim18d(f"grid_{link}", "grid2d_mlp")
+        run = {**result["runs"]["grid2d"], "val_samples": 4 * 500}
+        p = predict_run("grid2d", run, result, world=2)
+        assert p is not None
+        wire, payload = predicted_bytes(p, run, result)
+        assert payload == run["payload_bytes"][0]
+        assert wire == pytest.approx(run["bytes_per_epoch"], rel=0.01)

@@ -36,3 +36,11 @@ def test_thread_schedstat_counts_the_threads_own_cpu_time():
 
 def test_thread_schedstat_is_zero_where_the_kernel_has_none(tmp_path):
     assert thread_schedstat(tmp_path / "missing") == (0.0, 0.0)
+
+
+def test_the_recorder_counts_the_samples_validated_after_the_sanity_check():
+    recorder = Recorder()
+    limits = {"limit_train_batches": 2, "limit_val_batches": 3, "num_sanity_val_steps": 2}
+    fit = trainer(devices=1, max_epochs=2, callbacks=[recorder], **limits)
+    fit.fit(digits_classifier(), datamodule=digits(batch_size=16, val_batch_size=10))
+    assert recorder.val_samples == 2 * 3 * 10  # two validations of 3 batches; the sanity check's 2 not counted

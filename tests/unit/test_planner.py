@@ -20,6 +20,7 @@ from lightning_hier.planner import (
     alexnet_layers,
     bandwidth_optimal_pr,
     best_grid,
+    inference_cost,
     layer_cost,
     model_layers,
     network_cost,
@@ -184,3 +185,17 @@ def test_cli_prints_the_table(capsys):
     assert "64 x 8" in out and "best" in out and "infeasible: Pc=512 > B=256" in out
     assert main(["--model", "small_cnn", "--input-shape", "3", "32", "32", "--world-size", "2", "4"]) == 0
     assert capsys.readouterr().out.count("grid Pr x Pc") == 2
+
+
+def test_a_validation_forward_sends_only_the_forward_terms():
+    """Evaluation mode: each FC layer's all-gather of its output block, (Pr - 1) / Pr of b d_out words
+    (b = B / Pc), and a convolution's halo rows one way; no input-gradient reduction, no gradient
+    all-reduce, and BatchNorm uses its running statistics (no ``bn_stats``)."""
+    pr, pc, batch = 4, 2, 16
+    fcs = [FCLayer(300, 64), FCLayer(64, 64), FCLayer(64, 10)]
+    forward = inference_cost(fcs, pr, pc, batch)
+    assert set(forward.terms) == {"fc_gather"}
+    assert forward.words == pytest.approx(sum((pr - 1) / pr * (batch / pc) * fc.d_out for fc in fcs))
+    conv, bn = ConvLayer(2, 16, 5, 3, 3), BNLayer(16, 5, 5)
+    slabs = inference_cost([conv, bn], pr, 1, 6)
+    assert set(slabs.terms) == {"halo"} and slabs.terms["halo"] == [2, 2 * 6 * 2 * 5]  # a row each way, sent once

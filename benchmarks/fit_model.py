@@ -1,0 +1,184 @@
+"""The steady-state prediction over a measured fit: what a run does beside its steady steps.
+
+The simulator predicts the steady state (:mod:`lightning_hier.simulator`); a benchmark run is a
+short fit around it. This module adds what the fit has beside the steady steps, each from the
+run's configuration and counts (never from its timings): each validation's consensus on the
+training clock, DBS's warm-up at the initial batch sizes, the pipeline's drain, the averaging
+rounds a fit actually completes (a round every ``tau`` steps, counted over the fit), the
+asynchronous GRAWA workers' final partial reports and the grid's validation forwards.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Any
+
+from lightning_hier.simulator import Cluster, Prediction, Workload, predict
+
+
+def mean_steps(run: dict[str, Any]) -> float:
+    """The run's optimizer steps per rank, on average: with ``sampler='shared'`` a fast rank takes more."""
+    steps = run.get("rank_steps") or [run["steps"]]
+    return sum(steps) / len(steps)
+
+
+def with_consensus(p: Prediction, cluster: Cluster, run: dict[str, Any]) -> Prediction:
+    """The fit's mean step with the consensus each validation needs (:func:`validation_bytes`).
+
+    The Recorder keeps that consensus on the training clock (the strategy builds it after the
+    validation hook), and the calibration already leaves the ``no-comm`` run's own out. It is one
+    transfer of the model per epoch, blocking: its wire bytes at the link's rate, or at gloo's CPU
+    cost per byte where that is slower. At 100 Mbit/s the MLP's 21 MB take 1.8 s, a fifth of a
+    16-step run.
+    """
+    _, wire = validation_bytes(p, run)
+    if not wire or not run.get("steps"):
+        return p
+    consensus_s = wire * max(cluster.byte_s, cluster.cpu_s_per_byte)
+    step_s = p.step_s + run["epochs"] * consensus_s / mean_steps(run)
+    return replace(p, step_s=step_s, detail={**p.detail, "consensus_s": consensus_s})
+
+
+def with_drain(p: Prediction) -> Prediction:
+    """The pipeline over its epoch: its ``drain`` iterations (filling and emptying the stages, in
+    the model's ``steps_per_epoch``) train no new samples, so the epoch's mean time per trained
+    step is ``epoch_s / (steps_per_epoch - drain)`` (the run's steps count trained batches)."""
+    trained = p.steps_per_epoch - p.detail["drain"]
+    return replace(p, step_s=p.epoch_s / trained) if trained > 0 else p
+
+
+REBALANCED = ("dbs", "dbs_async")
+"""DBS's strategies: their first ``warmup_steps + rebalance_every`` steps keep the initial batch sizes."""
+
+
+def with_warmup(steady: Prediction, workload: Workload, cluster: Cluster, run: dict[str, Any]) -> Prediction:
+    """DBS over the run's whole fit: its first steps at the initial sizes, the rest at the steady shares.
+
+    DBS measures nothing in its first ``warmup_steps`` steps and rebalances first after
+    ``warmup_steps + rebalance_every``; until then every worker keeps its initial size (equal,
+    unless ``initial_sizes`` is given). A short run spends much of its fit there: 25 of 48 steps.
+    The fit's mean step is the step-weighted mean of the two predictions (closed form).
+    """
+    config = run.get("strategy_config") or {}
+    early = int(config.get("warmup_steps", 5)) + int(config.get("rebalance_every", 20))
+    steps = round(mean_steps(run))
+    sizes = config.get("initial_sizes") or [workload.batch_size] * cluster.workers
+    initial = predict(steady.strategy, workload, cluster, **steady.args, shares=sizes)
+    if steady.args.get("sampler") == "shared":
+        return with_claimed_warmup(steady, initial, early, steps * steady.samples_per_step)
+    n = min(early, steps)
+    step_s = (n * initial.step_s + (steps - n) * steady.step_s) / steps
+    detail = {**steady.detail, "initial_steps": n, "initial_step_s": initial.step_s, "steady_step_s": steady.step_s}
+    return replace(steady, step_s=step_s, detail=detail)
+
+
+def with_claimed_warmup(steady: Prediction, initial: Prediction, early: int, samples: float) -> Prediction:
+    """:func:`with_warmup` with the shared queue: the initial sizes last until the *slowest* worker
+    has made its first ``early`` claims (each worker measures its own speed), and meanwhile the
+    fast workers claim more of the epoch. The fit's ``samples`` are split by time: the first
+    ``early`` slowest cycles at the initial rate, the rest at the steady one; the bytes per step are
+    mixed by the same share of the samples (a 1-epoch run at 100 Mbit/s: the straggler's 20 claims
+    never reach its first estimate, so every claim keeps the initial size)."""
+    warm_s = early * max(initial.detail["cycle_s"])
+    warm = min(samples, warm_s * initial.samples_per_s)
+    fit_s = warm / initial.samples_per_s + (samples - warm) / steady.samples_per_s
+    share = warm / samples
+    detail = {
+        **steady.detail,
+        "initial_step_s": initial.step_s,
+        "steady_step_s": steady.step_s,
+        "initial_cycle_s": initial.detail["cycle_s"],
+        "initial_samples_share": share,
+    }
+    return replace(
+        steady,
+        step_s=fit_s / (samples / steady.samples_per_step),
+        wire_bytes=share * initial.wire_bytes + (1 - share) * steady.wire_bytes,
+        detail=detail,
+    )
+
+
+SERVED = ("asgd", "softsync", "dbs_async")
+"""The parameter-server strategies: each meeting pulls the server's model and broadcasts it (not in CommStats)."""
+
+
+def validation_bytes(p: Prediction, run: dict[str, Any]) -> tuple[float, float]:
+    """``(payload, wire)`` bytes per rank of the consensus that each epoch's validation needs.
+
+    HPSGD and the averaging family when an epoch does not end on a round: one all-reduce of the
+    parameters (LSGD: a broadcast); GRAWA's asynchronous rounds: a pull of the server's center at
+    every validation (point-to-point); the parameter-server strategies: a pull and a broadcast
+    of the server's model, neither counted by ``CommStats``.
+    """
+    per_epoch = run["steps"] / run["epochs"]
+    word = 2 if p.args.get("compression") == "bf16" else 4
+    model = word * float((run.get("model") or {}).get("parameters") or 0)
+    share = (p.workers - 1) / p.workers
+    if p.strategy in SERVED:
+        return 0.0, 2 * share * model  # the pull's reply and the broadcast, both from rank 0
+    if p.args.get("rounds") == "async":
+        return model, share * model
+    if p.strategy == "hpsgd" or ("tau" in p.args and per_epoch % int(p.args["tau"]) != 0):
+        return model, share * model * (1 if p.strategy == "lsgd" else 2)
+    return 0.0, 0.0
+
+
+def validation_forward_bytes(p: Prediction, run: dict[str, Any]) -> float:
+    """Bytes per rank and epoch that the validation forwards themselves send (payload and wire).
+
+    The grid's: each validated sample's activations are gathered across the MODEL rows
+    (``detail['validation_bytes_per_sample']``, times the samples the run's rank 0 validated). The
+    other strategies validate a whole model on every rank. Not on the training clock: the
+    Recorder stops it at the first validation batch. Runs recorded before ``val_samples``: 0.
+    """
+    per_sample = float(p.detail.get("validation_bytes_per_sample", 0.0))
+    return per_sample * float(run.get("val_samples") or 0) / int(run["epochs"])
+
+
+def with_whole_rounds(p: Prediction, compute_s: float, run: dict[str, Any]) -> Prediction:
+    """Lock-step averaging over the fit: the rounds the fit completes, not the steady state's share of them.
+
+    A round fires every ``tau`` steps counted over the fit, so a fit of ``S`` steps completes
+    ``floor(S / tau)`` rounds where the steady state spreads ``S / tau`` (a partial period at the end
+    is the final round, which :func:`validation_bytes` counts as each epoch's consensus). A 24-step
+    fit with GRAWA's default ``tau=32`` completes none: its steady state would add three quarters of
+    a round's bytes and time. ``compute_s``: the slowest worker's compute per step; the rest of the
+    steady step (the round, its probe and the wait for the slowest worker) scales with the rounds.
+    """
+    tau = p.args.get("tau")
+    steps = mean_steps(run) if run.get("steps") else 0.0
+    if tau is None or p.args.get("rounds") == "async" or steps <= 0:
+        return p
+    share = math.floor(steps / int(tau)) * int(tau) / steps
+    if share == 1.0:
+        return p
+    return replace(
+        p,
+        step_s=compute_s + share * max(0.0, p.step_s - compute_s),
+        wire_bytes=share * p.wire_bytes,
+        payload_bytes=share * p.payload_bytes,
+        blocked_s=share * p.blocked_s,
+        detail={**p.detail, "rounds_share": share},
+    )
+
+
+def with_final_reports(p: Prediction, run: dict[str, Any]) -> Prediction:
+    """GRAWA's asynchronous rounds over the fit: each remote worker's round trips, its final partial one included.
+
+    A worker reports after every ``tau`` of its own steps and, at the end of the fit, once more for
+    a partial period (the server records the trained replica; :meth:`~lightning_hier.algorithms.
+    averaging.PeriodicAveraging.finalize`), each report answered by the center. So worker ``w``
+    crosses the link ``ceil(S_w / tau)`` times, where the steady state counts ``S_w / tau``: with
+    the shared queue a slow worker's 40 steps are two round trips, not 1.25. ``S_w``: the fit's
+    steps split by the prediction's share of requests (equal without the shared queue); rank 0's
+    cross no link. Only the bytes change (the last report follows the training).
+    """
+    if p.args.get("rounds") != "async" or not run.get("epochs") or "request_wire_bytes" not in p.detail:
+        return p
+    fit_steps = p.steps_per_epoch * int(run["epochs"])  # per worker, on average
+    shares = p.detail.get("requests_share") or [1.0 / p.workers] * p.workers
+    tau = float(p.args["tau"])
+    trips = sum(math.ceil(fit_steps * p.workers * share / tau - 1e-9) for share in shares[1:])
+    wire = trips * p.detail["request_wire_bytes"] / p.workers / fit_steps
+    return replace(p, wire_bytes=wire, detail={**p.detail, "remote_round_trips": trips})
