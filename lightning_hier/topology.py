@@ -223,11 +223,13 @@ class Topology:
         """A second group over every rank, for a background service (the parameter server).
 
         A collective call on all ranks, made once. A service thread's point-to-point traffic gets
-        its own group so it never shares one with the training thread's collectives.
+        its own group so it never shares one with the training thread's collectives. It is gloo
+        whatever the training backend: the service's messages live in host memory (NCCL sends
+        device memory only) and every receive needs its own time limit, which NCCL cannot give.
         """
         if not dist.is_initialized() or dist.get_world_size() != self.world_size:
             raise RuntimeError(f"Topology.build_service_group: needs the default group of {self.world_size} ranks.")
-        group = dist.new_group(list(range(self.world_size)), timeout=timeout)
+        group = dist.new_group(list(range(self.world_size)), timeout=timeout, backend="gloo")
         assert group is not None
         return group
 

@@ -37,13 +37,14 @@ class FlatModel:
     """The server's copy of the parameters, as views of one flat tensor, and the optimizer that updates it.
 
     Args:
-        params: Initial values (copied); one dtype and device.
+        params: Initial values (copied into host memory, where the server's messages arrive:
+            :func:`~lightning_hier.comm.ps_wire.to_host`); one dtype.
         optimizer: Builds the server's optimizer over the copies (default: SGD with ``lr``).
         lr: Learning rate of the default SGD.
     """
 
     def __init__(self, params: Sequence[Tensor], optimizer: OptimizerFactory | None = None, lr: float = 0.1) -> None:
-        self.params = [nn.Parameter(p.detach().clone(), requires_grad=False) for p in params]
+        self.params = [nn.Parameter(p.detach().to("cpu", copy=True), requires_grad=False) for p in params]
         self._flat = FlatTensors(self.params)
         if len(self._flat.buckets) != 1:
             raise ValueError("FlatModel: parameters must share one dtype and device.")

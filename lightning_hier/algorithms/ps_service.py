@@ -47,7 +47,7 @@ from torch import Tensor
 
 from lightning_hier.algorithms.param_server import CLAIM, DONE, PULL, Reply, Request, ServerCore
 from lightning_hier.comm.p2p import PeerError
-from lightning_hier.comm.ps_wire import recv_message, send_message
+from lightning_hier.comm.ps_wire import recv_message, send_message, to_host
 
 Group = dist.ProcessGroup | None
 POLL_S = 0.2
@@ -319,7 +319,7 @@ class Worker:
     def call(self, kind: int, payload: Sequence[Tensor] = (), batch_size: int = 0) -> tuple[Tensor, ...]:
         """Send a request of ``kind`` with ``payload``; returns the reply's tensors."""
         now = time.perf_counter()
-        request = Request(self.rank, kind, tuple(payload), self.version, batch_size, now - self._since)
+        request = Request(self.rank, kind, to_host(payload), self.version, batch_size, now - self._since)
         reply = self.client.request(request)
         assert reply is not None
         self.requests += kind != PULL

@@ -59,11 +59,20 @@ def _wait(post: Callable[[], dist.Work | None], what: str, peer: int, group: Gro
         ) from err
 
 
+def to_host(tensors: Sequence[Tensor]) -> tuple[Tensor, ...]:
+    """``tensors``, detached, in host memory (CPU tensors as they are): where messages live.
+
+    The server keeps its state there too, so a worker training on a GPU and rank 0's in-process
+    worker hand it the same kind of tensor as a message from the wire (gloo, host memory only).
+    """
+    return tuple(t.detach().cpu() for t in tensors)
+
+
 def send_message(
     scalars: Sequence[float], tensors: Sequence[Tensor], dst: int, group: Group, timeout: timedelta, tag: int = 0
 ) -> None:
     """Send a header of ``scalars`` and the flat ``tensors`` to global rank ``dst`` (blocking)."""
-    flat = [t.detach().reshape(-1).contiguous() for t in tensors]
+    flat = [t.reshape(-1).contiguous() for t in to_host(tensors)]
     for t in [_header(scalars, flat), *(t for t in flat if t.numel())]:
         _wait(partial(dist.isend, t, dst, group=group, tag=tag), "sending to", dst, group, timeout)
 

@@ -187,7 +187,7 @@ class PSAdapter:
             self._follow_learning_rate()
         self.comm_stats.add(flat.numel() * flat.element_size())
         with self.comm_stats.blocked():
-            reply = require_worker(self.link).call(PUSH, [flat.cpu()], batch_size=batch_size)[0]
+            reply = require_worker(self.link).call(PUSH, [flat], batch_size=batch_size)[0]
         self._load(reply)
 
     def claim(self, epoch: int, n: int, num_samples: int, speed: float = 0.0) -> tuple[int, int]:
