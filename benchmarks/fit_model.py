@@ -167,8 +167,8 @@ def with_final_reports(p: Prediction, run: dict[str, Any]) -> Prediction:
     """GRAWA's asynchronous rounds over the fit: each remote worker's round trips, its final partial one included.
 
     A worker reports after every ``tau`` of its own steps and, at the end of the fit, once more for
-    a partial period (the server records the trained replica; :meth:`~lightning_hier.algorithms.
-    averaging.PeriodicAveraging.finalize`), each report answered by the center. So worker ``w``
+    a partial period (the server records the trained replica: ``PeriodicAveraging.finalize`` in
+    :mod:`lightning_hier.algorithms.averaging`), each report answered by the center. So worker ``w``
     crosses the link ``ceil(S_w / tau)`` times, where the steady state counts ``S_w / tau``: with
     the shared queue a slow worker's 40 steps are two round trips, not 1.25. ``S_w``: the fit's
     steps split by the prediction's share of requests (equal without the shared queue); rank 0's
