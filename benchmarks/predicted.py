@@ -204,8 +204,10 @@ def _fixed_bytes_per_epoch(reference: dict[str, Any]) -> float:
     """The ``no-comm`` run's bytes per epoch that are neither training nor its validation consensus."""
     if not reference.get("bytes_per_epoch"):
         return 0.0
-    consensus = reference["payload_bytes"][0] / reference["epochs"] if reference.get("payload_bytes") else 0.0
-    return max(0.0, float(reference["bytes_per_epoch"]) - consensus)  # at 2 ranks an all-reduce sends its payload
+    payload = reference["payload_bytes"][0] / reference["epochs"] if reference.get("payload_bytes") else 0.0
+    ranks = int(reference.get("ranks") or 2)
+    consensus = 2 * (ranks - 1) / ranks * payload  # a ring all-reduce sends 2 (p - 1) / p of its payload
+    return max(0.0, float(reference["bytes_per_epoch"]) - consensus)
 
 
 def _error(predicted: float, measured: float | None) -> str:

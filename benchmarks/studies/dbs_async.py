@@ -104,15 +104,19 @@ CURVE_POINTS = 16  # snapshots evaluated per fit for its time to target, evenly 
 
 
 class Snapshots(pl.Callback):
-    """On rank 0: the model every ``every`` steps, with wall time since the fit started.
+    """On rank 0: the model every ``every`` steps, with wall time since the training started.
 
     The server's parameters and rank 0's buffers under a parameter server, rank 0's module
-    otherwise (DDP: every rank holds the same parameters).
+    otherwise (DDP: every rank holds the same parameters). ``elapsed`` is the training's wall time
+    (``on_train_start`` to ``on_train_end``, when the last snapshot is taken): each fit's time, on
+    the snapshots' clock, so set-up before the training (process groups, the server's start) counts
+    for no strategy.
     """
 
     def __init__(self, every: int) -> None:
         self.every = every
         self.taken: list[tuple[float, list[Tensor]]] = []
+        self.elapsed = 0.0
         self._t0 = 0.0
 
     @override
@@ -132,14 +136,16 @@ class Snapshots(pl.Callback):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.elapsed = time.perf_counter() - self._t0
         if trainer.global_rank == 0:  # the module holds the consensus model after fit
-            self._take(None, pl_module)
+            self._take(None, pl_module, at=self.elapsed)
 
-    def _take(self, flat: Tensor | None, pl_module: pl.LightningModule) -> None:
-        """Keep ``flat`` parameters (None: the module's own) and the module's buffers, with the time."""
+    def _take(self, flat: Tensor | None, pl_module: pl.LightningModule, at: float | None = None) -> None:
+        """Keep ``flat`` parameters (None: the module's own) and the module's buffers, at time ``at`` (now)."""
         if flat is None:
             flat = torch.cat([p.detach().reshape(-1) for p in pl_module.parameters()])
-        self.taken.append((time.perf_counter() - self._t0, [flat, *(b.clone() for b in pl_module.buffers())]))
+        when = time.perf_counter() - self._t0 if at is None else at
+        self.taken.append((when, [flat, *(b.clone() for b in pl_module.buffers())]))
 
 
 def _workloads(mnist_root: str, cifar_root: str) -> dict[str, dict[str, Any]]:
@@ -183,9 +189,8 @@ def _fit(
         check_val_every_n_epoch=100,
         callbacks=[*slow, snaps],
     )
-    start = time.perf_counter()
     trainer.fit(module, datamodule=dm)
-    wall = time.perf_counter() - start
+    wall = snaps.elapsed
     if not isinstance(strategy, ParameterServerWorker):
         return _synchronous_row(name, wall, trainer.global_step) | {"snaps": snaps.taken, "module": module}
     assert strategy.ps is not None

@@ -29,7 +29,7 @@ def test_study_fits_each_strategy_and_reads_staleness_and_accuracy_at_equal_wall
         assert r["staleness_worker_mean"] == pytest.approx(sum(r["staleness_by_worker"]) / 3)
         assert r["target"] == 0.5 and len(r["curve"]) >= 2
         times = [t for t, _ in r["curve"]]
-        assert times == sorted(times) and times[-1] == pytest.approx(r["wall_s"], abs=0.5)
+        assert times == sorted(times) and times[-1] == r["wall_s"]  # the last snapshot ends the fit
         reached = [t for t, acc in r["curve"] if acc >= 0.5]
         assert r["time_to_target_s"] == (reached[0] if reached else None)
         if r["strategy"] == "ddp":  # synchronous: no server, no staleness
