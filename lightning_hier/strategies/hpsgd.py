@@ -19,6 +19,7 @@ from lightning_hier.algorithms.hpsgd import HPSGD, MERGES, MODES, Merge
 from lightning_hier.algorithms.hpsgd_two_level import TwoLevelHPSGD
 from lightning_hier.strategies._algorithm import AlgorithmStrategy
 from lightning_hier.strategies._buckets import bucket_arguments, check_bucket_options
+from lightning_hier.strategies._step_sync import local_sigterm_check
 from lightning_hier.strategies._two_level import TWO_LEVEL_ARGS, TwoLevelOptions
 
 if TYPE_CHECKING:
@@ -129,6 +130,11 @@ class HPSGDStrategy(TwoLevelOptions, AlgorithmStrategy[HPSGD | TwoLevelHPSGD]):
 
     @override
     def _setup_algorithm(self, trainer: pl.Trainer) -> None:
+        # Lightning's per-step SIGTERM-flag broadcast would wait behind the window's reduction in
+        # flight: on a 100 Mbit/s link about 0.1 s per window, which hid nothing of it
+        # (benchmarks/README.md, "Issue 18: the fit around the steady state"); the windows' own
+        # collectives keep the ranks together, and a signalled rank still stops (see _step_sync)
+        local_sigterm_check(trainer)
         optimizer = self._require_single_optimizer()
         module: nn.Module = self.lightning_module  # type: ignore[assignment]
         levels = self._levels()

@@ -1,4 +1,5 @@
-"""Asynchronous strategies are not held in lock-step by Lightning's per-step SIGTERM broadcast."""
+"""Asynchronous strategies, and HPSGD inside a window, are not held in lock-step by Lightning's per-step
+SIGTERM broadcast (under HPSGD it would wait behind the window's reduction in flight)."""
 
 import os
 import time
@@ -8,7 +9,7 @@ import lightning.pytorch as pl
 import pytest
 from lightning.pytorch.callbacks import Callback
 
-from lightning_hier import AsgdStrategy, AsyncDBSStrategy, GrawaStrategy
+from lightning_hier import AsgdStrategy, AsyncDBSStrategy, GrawaStrategy, HPSGDStrategy
 from lightning_hier.testing import run_workers
 from tests.helpers import digits, digits_classifier, trainer
 
@@ -36,8 +37,10 @@ class HoldFirstBatch(Callback):
 
 
 def _fit(name: str, flag: Path) -> bool | None:
-    strategy: AsgdStrategy | AsyncDBSStrategy | GrawaStrategy
-    if name == "asgd":
+    strategy: AsgdStrategy | AsyncDBSStrategy | GrawaStrategy | HPSGDStrategy
+    if name == "hpsgd":  # the ranks meet at each window's end: 8 steps
+        strategy = HPSGDStrategy(window=8, timeout=60)
+    elif name == "asgd":
         strategy = AsgdStrategy(timeout=60)
     elif name == "mgrawa_async":  # a worker meets the server only after its own tau steps
         strategy = GrawaStrategy(variant="model", rounds="async", tau=8, timeout=60)
@@ -50,6 +53,6 @@ def _fit(name: str, flag: Path) -> bool | None:
     return hold.saw_rank0_ahead
 
 
-@pytest.mark.parametrize("name", ["asgd", "dbs_async", "mgrawa_async"])
+@pytest.mark.parametrize("name", ["asgd", "dbs_async", "mgrawa_async", "hpsgd"])
 def test_a_fast_worker_runs_ahead_of_a_held_one(tmp_path, name):
     assert run_workers(_fit, name, tmp_path / "ahead", devices=2, timeout=90)[1] is True
