@@ -93,7 +93,7 @@ class GrawaServerHandler:
     def __init__(self, template: FlatTensors, workers: Sequence[int], variant: str) -> None:
         self.rows = {w: i for i, w in enumerate(workers)}
         # in host memory, where the reports arrive (ps_wire.to_host), whatever device trains
-        self.replicas = [[b.detach().to("cpu", copy=True) for b in template.buckets] for _ in workers]
+        self.replicas = [template.clone("cpu") for _ in workers]
         width = len(template.tensors) if variant == "layer" else 1
         self.expand = [(i.cpu(), n.cpu()) for i, n in segment_expansions(template)] if variant == "layer" else []
         self.scores = torch.zeros(len(workers), width, dtype=torch.float64)

@@ -108,9 +108,9 @@ class FlatTensors:
                 return False
         return True
 
-    def clone(self) -> list[Tensor]:
-        """A detached copy of the buckets (e.g. a window start or a global model)."""
-        return [b.detach().clone() for b in self.buckets]
+    def clone(self, device: torch.device | str | None = None) -> list[Tensor]:
+        """A detached copy of the buckets (e.g. a window start or a global model), on ``device`` (theirs)."""
+        return [b.detach().to(b.device if device is None else device, copy=True) for b in self.buckets]
 
     def zeros_like(self) -> list[Tensor]:
         return [torch.zeros_like(b) for b in self.buckets]
