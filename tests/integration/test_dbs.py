@@ -188,10 +188,12 @@ def test_one_rank_slowed_twice_gets_about_a_third_and_accuracy_matches_ddp():
     assert history == r1["history"] and [h["step"] for h in history] == [12, 22, 32]
     # 2:1 is a share of 2/3 for the fast rank, the start (1:1) a share of 1/2. Fixed per-step costs
     # (logging, optimizer step) are not proportional to the batch, so the balanced split is a little
-    # above 2:1; the band excludes the equal split.
+    # above 2:1; the band excludes the equal split. The upper bounds leave room for CPU-time noise:
+    # process_time also counts gloo's threads, and on a loaded CI machine one period measured the
+    # fast rank 3.5x faster (a share of 100/128 = 0.78, which failed an earlier bound of 0.78).
     shares = [h["sizes"][0] / 128 for h in history]
-    assert all(0.57 <= s <= 0.8 for s in shares), history  # from the first period on
-    assert 0.6 <= shares[-1] <= 0.78, history
+    assert all(0.57 <= s <= 0.85 for s in shares), history  # from the first period on
+    assert 0.6 <= shares[-1] <= 0.82, history
     assert r0["logged"]["dbs/batch_size/rank1"] == history[-1]["sizes"][1]
     assert r0["logged"]["dbs/samples_per_s/rank0"] > r0["logged"]["dbs/samples_per_s/rank1"]
     # the same global batches as DDP, so the same model up to rounding, hence the same accuracy
