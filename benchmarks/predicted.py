@@ -9,7 +9,8 @@ Calibration, all from the same invocation (nothing is fitted to the run being pr
   straggler; the straggler's factor divides it back to the nominal worker), less the modelled
   time of its own rounds (:func:`_reference_rounds_s`: its payload, one all-reduce per epoch, which
   on a slow link is most of a short run: 1.8 s of 5 at 100 Mbit/s on ``hpsgd_mlp``); forward : backward
-  is taken as 1 : 2 (it only matters for DDP's overlap);
+  is the simulator's preset of the same network's measured one (:func:`forward_share`; 1 : 2 for a
+  network without a preset; it only matters for DDP's overlap);
 - link: the tc rate times :data:`EFFICIENCY` (944 Mbit/s measured by a socket test through the
   1 Gbit/s tbf link, docs/lightning.md section 10); ``unlimited``: the 7.9 Gbit/s measured there;
 - jitter: the ``no-comm`` run's spread of a step's time (``step_jitter_s``: each rank's Gini
@@ -123,19 +124,30 @@ def _workload(
     if preset is not None and preset.blocks:
         scale = sample_s / preset.sample_s
         blocks = tuple(replace(b, compute_s=b.compute_s * scale) for b in preset.blocks)
+    forward = forward_share(preset)
     return Workload(
         name,
         params=int(model["parameters"]),
         batch_size=batch,
         samples_per_epoch=round(run["samples"] / run["epochs"]),
-        forward_s=sample_s / 3,
-        backward_s=2 * sample_s / 3,
+        forward_s=forward * sample_s,
+        backward_s=(1 - forward) * sample_s,
         buffers=int(model.get("float_buffers") or 0),
         tensors=int(model.get("tensors") or 1),
         tensor_words=tensor_words,
         blocks=blocks,
         model=preset.model if preset is not None else None,
     )
+
+
+def forward_share(preset: Workload | None) -> float:
+    """The forward's share of a sample's compute: the preset's measured one, else 1/3 (backward = 2 forwards).
+
+    It sets how much of DDP's step its buckets can hide behind. The small CNN's forward is 60 % of
+    its compute (its first convolution needs no input gradient), not a third: with 1/3, DDP on a
+    100 Mbit/s link was predicted 16-22 % faster than it ran, its exposed forward under-counted.
+    """
+    return preset.forward_s / preset.sample_s if preset is not None and preset.sample_s > 0 else 1 / 3
 
 
 def _model_overrides(run: dict[str, Any]) -> set[str]:

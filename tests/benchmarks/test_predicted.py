@@ -11,8 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.predicted import predict_run, predicted_bytes, predicted_table
+from benchmarks.predicted import forward_share, predict_run, predicted_bytes, predicted_table
 from lightning_hier.models.networks import mlp, small_cnn
+from lightning_hier.simulator import Workload
+from lightning_hier.simulator.__main__ import PRESETS
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "results.json"
 
@@ -268,3 +270,18 @@ def test_four_ranks_bytes_leave_out_the_calibrations_ring_consensus():
         assert p is not None, label
         wire, _ = predicted_bytes(p, run, result)
         assert wire == pytest.approx(run["bytes_per_epoch"], rel=0.01), label
+
+
+def test_ddps_exposed_forward_is_the_presets_measured_share_of_the_compute():
+    # 100 Mbit/s: the first bucket (2.1 MB, ~0.18 s) outlasts the backward, so a step is the forward
+    # and the buckets, and the forward is the preset's measured share of the compute (60 % for the
+    # small CNN), not the third a backward of two forwards would leave it
+    result = _structured_result(small_cnn((3, 32, 32), 10), "ddp", {}, 256)
+    result["link"] = "100mbit"
+    p = predict_run("ddp", result["runs"]["ddp"], result, world=2)
+    preset = Workload.load(PRESETS / "cnn.json")
+    share = preset.forward_s / preset.sample_s
+    assert p is not None and share > 0.5
+    compute = 0.3  # the no-comm run's step: 24 steps in 7.2 s
+    assert p.step_s - p.detail["allreduce_s"] == pytest.approx(share * compute, rel=1e-6)
+    assert forward_share(None) == pytest.approx(1 / 3)  # a network without a preset: a backward of two forwards
