@@ -4,7 +4,8 @@
 (workload, link, ranks, run, samples/s and bytes per epoch measured, predicted and the error, and
 the share of the run and of its calibration run spent queued for the cores), then how many of
 them came within ``--tolerance`` (15 %) on samples/s and on bytes. Rows come in the order of the
-files given; the file's name (its invocation) is the ``source`` column.
+files given; the file's name (its invocation) is the ``source`` column. With ``--latest`` and the
+files given oldest first, a cell measured again later is counted once, at its newest measurement.
 """
 
 from __future__ import annotations
@@ -64,6 +65,16 @@ def cells(source: str, results: dict[str, Any]) -> list[Cell]:
     return out
 
 
+def latest(rows: list[Cell]) -> list[Cell]:
+    """One row per cell (workload, link, ranks, run): the one from the last file that measured it.
+
+    A cell measured again in a later invocation replaces the earlier measurement in place, so the
+    tally of files given oldest first counts every cell once, at its newest measurement.
+    """
+    newest = {(c.workload, c.link, c.ranks, c.label): c for c in rows}
+    return [c for c in rows if newest[(c.workload, c.link, c.ranks, c.label)] is c]
+
+
 def _share(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:.0f}%"
 
@@ -94,8 +105,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.tally", description=__doc__)
     parser.add_argument("results", nargs="+", type=Path, help="results.json files (one per invocation)")
     parser.add_argument("--tolerance", type=float, default=0.15, help="relative error counted as a hit")
+    parser.add_argument(
+        "--latest", action="store_true", help="count each cell once, from the last file that measured it (oldest first)"
+    )
     args = parser.parse_args(argv)
     rows = [c for path in args.results for c in cells(path.stem, json.loads(path.read_text()))]
+    if args.latest:
+        rows = latest(rows)
     print(tally_table(rows, args.tolerance))
     return 0
 

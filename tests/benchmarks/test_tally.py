@@ -29,3 +29,15 @@ def test_the_summary_counts_the_cells_within_the_tolerance(capsys):
     assert out.rstrip().endswith("Within 15 %: samples/s 2 of 5, bytes per epoch 5 of 5.")
     rows = cells("x", json.loads((SIM18B / "hpsgd_cnn_unl.json").read_text()))
     assert tally_table(rows, tolerance=0.5).endswith("samples/s 3 of 3, bytes per epoch 3 of 3.")
+
+
+def test_latest_counts_a_cell_measured_again_once_at_its_newest_measurement(tmp_path, capsys):
+    again = tmp_path / "again.json"
+    again.write_text((SIM18B / "mlp_100m.json").read_text())
+    files = [str(SIM18B / "mlp_100m.json"), str(SIM18B / "hpsgd_cnn_unl.json"), str(again)]
+    assert main(files) == 0
+    assert capsys.readouterr().out.rstrip().endswith("samples/s 4 of 7, bytes per epoch 7 of 7.")
+    assert main([*files, "--latest"]) == 0
+    out = capsys.readouterr().out
+    assert out.rstrip().endswith("samples/s 2 of 5, bytes per epoch 5 of 5.")
+    assert "| ddp | again |" in out and "| ddp | mlp_100m |" not in out  # the later file's row, in its place
