@@ -36,6 +36,11 @@ class Cell:
     calibration_queued: float | None
 
     @property
+    def key(self) -> tuple[str, str, int, str]:
+        """What makes two rows the same cell, whichever invocation measured them."""
+        return self.workload, self.link, self.ranks, self.label
+
+    @property
     def rate_error(self) -> float:
         return (self.predicted_rate - self.rate) / self.rate
 
@@ -71,8 +76,8 @@ def latest(rows: list[Cell]) -> list[Cell]:
     A cell measured again in a later invocation replaces the earlier measurement in place, so the
     tally of files given oldest first counts every cell once, at its newest measurement.
     """
-    newest = {(c.workload, c.link, c.ranks, c.label): c for c in rows}
-    return [c for c in rows if newest[(c.workload, c.link, c.ranks, c.label)] is c]
+    newest = {c.key: c for c in rows}
+    return [c for c in rows if newest[c.key] is c]
 
 
 def _share(value: float | None) -> str:
