@@ -93,8 +93,9 @@ class StepProfile(Callback):
             self._wrap(pipe.runner, name, "forward")
         self._wrap(pipe.runner, "backward_delayed", "backward")
         self._wrap(pipe, "_apply", "update")
-        self._wrap(pipe.mail, "post", "post")
-        self._wrap(pipe.mail, "_complete_sends", "send wait")
+        for mail in pipe.mailboxes:
+            self._wrap(mail, "post", "post")
+            self._wrap(mail, "_complete_sends", "send wait")
         for inbox in pipe._inboxes.values():
             self._wrap(inbox, "settle", "recv wait")
         if pipe.last:  # its backward runs inside _forward_last: the rest of it, after forward and update

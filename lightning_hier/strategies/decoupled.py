@@ -65,6 +65,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, Precision
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
@@ -180,6 +181,7 @@ class DecoupledStrategy(PipelineStagesStrategy):
         self.module_attr = pm.check_module_attr_argument(owner, module_attr)
         self.inter_level = InterNodeLevel(owner, inter_node_every, inter_node)
         self._found_attr: str | None = None
+        self._gradient_group: dist.ProcessGroup | None = None
         self._loss: TrainingStepLoss | None = None
         self.last_reports: list[IterationReport] = []
         """What every stage iteration of the latest training step did (for monitors and tests)."""
@@ -222,6 +224,10 @@ class DecoupledStrategy(PipelineStagesStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         self.inter_level.check(self.topology)  # K is known now, on every rank alike
+        if self._gradient_group is None and self.groups.pipe is not None:
+            # the activation gradients travel on a connection of their own (DecoupledPipeline's
+            # `pipe_group`): sharing one with the activations can double a boundary's transfer time
+            self._gradient_group = self.topology.build_second_group("pipe", self.global_rank, self._timeout)
 
     def _blocks_attr(self) -> str:
         """``module_attr``, or the path of the network found by the rule of :func:`find_network`."""
@@ -310,7 +316,7 @@ class DecoupledStrategy(PipelineStagesStrategy):
             stage,
             stage_index=coords.pipe,
             stage_ranks=topo.group_ranks("pipe", self.global_rank),
-            pipe_group=self.groups.pipe,
+            pipe_group=(self.groups.pipe, self._gradient_group),
             data_group=levels,
             schedule=self.schedule,
             order=self.order,

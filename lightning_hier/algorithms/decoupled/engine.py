@@ -87,7 +87,11 @@ class DecoupledPipeline:
         stage: This rank's blocks (its parameters become views of flat buckets).
         stage_index: ``k``, 0-based.
         stage_ranks: Global ranks of the ``K`` stages of this rank's replica, in stage order.
-        pipe_group: Process group of ``stage_ranks`` (``None`` when ``K == 1``).
+        pipe_group: Process group of ``stage_ranks`` (``None`` when ``K == 1``), or a pair
+            ``(activations, gradients)`` of groups over the same ranks: each direction then has a
+            connection of its own (gloo opens one TCP connection per pair of ranks and group, and
+            one connection carrying bulk data both ways lets the two messages take turns, up to
+            twice a transfer's time; docs/lightning.md, section 10).
         data_group: The data-parallel group of this stage (``None`` without replicas), or a pair
             ``(node-local, cross-node)`` of groups for the same mean in two levels
             (:func:`~lightning_hier.comm.two_level.two_level_mean_`; ``None``: that level has one rank).
@@ -126,7 +130,7 @@ class DecoupledPipeline:
         *,
         stage_index: int,
         stage_ranks: Sequence[int],
-        pipe_group: Group = None,
+        pipe_group: Group | tuple[Group, Group] = None,
         data_group: Group | tuple[Group, Group] = None,
         schedule: str = "fdg",
         order: str = "forward_first",
@@ -160,16 +164,19 @@ class DecoupledPipeline:
         self.stats = stats if stats is not None else CommStats()
         self.check_gradients = check_gradients
         self.runner = StageRunner(stage, weights)
-        self.mail = Mailbox(pipe_group, self.runner.device, self.stats, timeout, tag=_TRAIN_TAG)
+        down, up = pipe_group if isinstance(pipe_group, tuple) else (pipe_group, pipe_group)
+        self.down = Mailbox(down, self.runner.device, self.stats, timeout, tag=_TRAIN_TAG)
+        """Activations (and labels) to stage ``k + 1``, from stage ``k - 1``."""
+        self.up = Mailbox(up, self.runner.device, self.stats, timeout, tag=_TRAIN_TAG)
+        """Activation gradients to stage ``k - 1``, from stage ``k + 1``."""
         self._eval_mail: dict[bool, Mailbox] = {}
-        self._pipe_group = pipe_group
         self.fifo: deque[InFlight] = deque()
         # the decoupled directions: each iteration's message is taken in the next, where it is needed
         self._inboxes: dict[str, Inbox] = {}
         if not self.first and not self.schedule.forward_locked:
-            self._inboxes["activation"] = Inbox(self.mail, self.ranks[self.k - 1])
+            self._inboxes["activation"] = Inbox(self.down, self.ranks[self.k - 1])
         if not self.last and not self.schedule.backward_locked:
-            self._inboxes["gradient"] = Inbox(self.mail, self.ranks[self.k + 1])
+            self._inboxes["gradient"] = Inbox(self.up, self.ranks[self.k + 1])
         self.iteration = 0
         self.fed = 0
         self.updates = 0
@@ -182,6 +189,11 @@ class DecoupledPipeline:
     @property
     def last(self) -> bool:
         return self.k == len(self.ranks) - 1
+
+    @property
+    def mailboxes(self) -> tuple[Mailbox, Mailbox]:
+        """The training mailboxes: activations' (:attr:`down`), then gradients' (:attr:`up`)."""
+        return self.down, self.up
 
     @property
     def staleness(self) -> int:
@@ -235,7 +247,8 @@ class DecoupledPipeline:
         reports = [self.step(None, apply) for _ in range(self.schedule.drain_iterations)]
         # the last iteration's messages are empty; nothing may stay posted beyond the pipeline's run
         late = [inbox.settle() for inbox in self._inboxes.values()]
-        self.mail.flush()
+        for mail in self.mailboxes:
+            mail.flush()
         if self.fifo or any(parcel is not None for parcel in late):
             raise RuntimeError(f"DecoupledPipeline: stage {self.k} still holds batches after the drain.")
         self.iteration = self.fed = 0
@@ -247,7 +260,7 @@ class DecoupledPipeline:
                 return None
             return Parcel(_split_batch(batch), tag=self.fed)
         if self.schedule.forward_locked:
-            received = self.mail.recv(self.ranks[self.k - 1]) if batch is not None else None
+            received = self.down.recv(self.ranks[self.k - 1]) if batch is not None else None
             parcel = received.clone() if received is not None else None
         else:
             parcel = self._inboxes["activation"].take()  # the previous iteration's
@@ -261,7 +274,7 @@ class DecoupledPipeline:
     def _delayed_backward(self, fed: bool, apply: Apply) -> _Done | None:
         """Backward of the oldest FIFO entry if its gradient is there; its input gradient goes to stage ``k - 1``."""
         if self.schedule.backward_locked:
-            gradient = self.mail.recv(self.ranks[self.k + 1]) if fed else None  # used before the link's next message
+            gradient = self.up.recv(self.ranks[self.k + 1]) if fed else None  # used before the link's next message
         else:
             gradient = self._inboxes["gradient"].take()  # waited for here: it travelled behind the forward
         done = self._backward(gradient, apply) if gradient is not None else None
@@ -273,9 +286,9 @@ class DecoupledPipeline:
             return
         outgoing = done.outgoing if done is not None else None
         if not self.schedule.backward_locked:
-            self.mail.send_later(self.ranks[self.k - 1], outgoing)  # one message per iteration, maybe empty
+            self.up.send_later(self.ranks[self.k - 1], outgoing)  # one message per iteration, maybe empty
         elif outgoing is not None:
-            self.mail.send(self.ranks[self.k - 1], outgoing)
+            self.up.send(self.ranks[self.k - 1], outgoing)
 
     def _forward_last(self, parcel: Parcel, apply: Apply) -> _Done:
         inputs, *targets = parcel.tensors
@@ -300,9 +313,9 @@ class DecoupledPipeline:
             self.fifo.append(entry)
             activation = Parcel((self._wire(output.detach()), *targets), tag=parcel.tag)
         if not self.schedule.forward_locked:
-            self.mail.send_later(self.ranks[self.k + 1], activation)  # one message per iteration, maybe empty
+            self.down.send_later(self.ranks[self.k + 1], activation)  # one message per iteration, maybe empty
         elif activation is not None:
-            self.mail.send(self.ranks[self.k + 1], activation)
+            self.down.send(self.ranks[self.k + 1], activation)
 
     def _backward(self, gradient: Parcel, apply: Apply) -> _Done:
         entry = self.fifo.popleft()
@@ -349,7 +362,7 @@ class DecoupledPipeline:
         Every stage of the replica returns the last stage's output. Call it on all stages of the
         replica together (in evaluation mode for BatchNorm and dropout).
         """
-        box = Mailbox(self._pipe_group, self.runner.device, self.stats, self.mail.timeout, tag=_EVAL_TAG)
+        box = Mailbox(self.down.group, self.runner.device, self.stats, self.down.timeout, tag=_EVAL_TAG)
         mail = self._eval_mail.setdefault(torch.is_inference_mode_enabled(), box)
         hidden = inputs if self.first else _received(mail.recv(self.ranks[self.k - 1]))
         output = self.runner.module(hidden)
