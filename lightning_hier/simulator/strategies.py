@@ -24,10 +24,11 @@ lgrawa        ``W x (tensors + 1)``) + the norm probe: one more forward and back
 dbs           batch shares proportional to speed (every worker's step takes ``B c / sum s``), then
               a blocking all-reduce of ``P`` + ``F``; every ``rebalance_every`` steps a ``W x 4``
               float64 table
-decoupled     ``N x K``: stages cut from the workload's blocks (balanced as the strategy does);
-              an iteration is the slowest stage's compute with its point-to-point activations and
-              gradients behind it, then its gradient all-reduce over the ``N`` replicas;
-              ``schedule='sync'`` serialises the stages; staleness ``2 (K - 1)`` (``ddg``: ``K - 1``)
+decoupled     ``N x K``: stages cut from the workload's blocks (balanced as the strategy does); each
+              stage's forward, delayed backward and all-reduce over the ``N`` replicas, with its
+              activations and gradients each on their own connection, played out iteration by
+              iteration (:mod:`lightning_hier.simulator.pipeline`); ``schedule='sync'``
+              serialises the stages; staleness ``2 (K - 1)`` (``ddg``: ``K - 1``)
 grid2d        the planner's alpha-beta cost of the ``Pr x Pc`` grid (blocking), compute ``B c / W``
 ============  =====================================================================================
 
@@ -51,6 +52,7 @@ from lightning_hier.planner.cost import Layer, inference_cost, network_cost
 from lightning_hier.simulator.collectives import NONE, Comm, all_reduce, broadcast, overlapped, p2p
 from lightning_hier.simulator.inputs import Cluster, Workload, split_blocks
 from lightning_hier.simulator.jitter import sync_wait
+from lightning_hier.simulator.pipeline import StageTimes, iteration_period
 from lightning_hier.simulator.prediction import FLOAT64, Prediction, batch_shares, compute_s, steps_per_epoch
 
 MiB = 2**20
@@ -296,11 +298,17 @@ def dbs(
 
 
 def decoupled(
-    workload: Workload, cluster: Cluster, pipe: int = 2, schedule: str = "fdg", wire_dtype: str | None = None
+    workload: Workload,
+    cluster: Cluster,
+    pipe: int = 2,
+    schedule: str = "fdg",
+    order: str = "forward_first",
+    wire_dtype: str | None = None,
 ) -> Prediction:
-    """The N x K decoupled pipeline: lock-step iterations paced by the slowest stage.
+    """The N x K decoupled pipeline: lock-step iterations, played out by :func:`~.pipeline.iteration_period`.
 
-    ``wire_dtype='bf16'`` sends activations and their gradients as 2-byte words (the labels stay int64).
+    ``wire_dtype='bf16'`` sends activations and their gradients as 2-byte words (the labels stay
+    int64). A stage's forward is the workload's measured forward share of its blocks' compute.
     """
     if wire_dtype not in (None, "bf16"):
         raise ValueError(f"decoupled: `wire_dtype` must be None or 'bf16', got {wire_dtype!r}.")
@@ -312,30 +320,36 @@ def decoupled(
     replicas, b, speed = cluster.workers // pipe, workload.batch_size, min(cluster.speed_list)
     stages = split_blocks(workload.blocks, pipe)
     step_share = workload.step_s / max(1, workload.params)
+    forward_share = workload.forward_s / workload.sample_s if workload.sample_s > 0 else 1 / 3
     labels = b * FLOAT64  # int64 targets travel with the activations
-    elapsed, wire, payload, compute = [], 0.0, 0.0, []
+    activations = [p2p(b * blocks[-1].out_words * word + labels, cluster) for blocks in stages[:-1]]
+    gradients = [p2p(b * blocks[-1].out_words * word, cluster) for blocks in stages[:-1]]
+    wire, payload, times, compute = 0.0, 0.0, [], []
     for k, blocks in enumerate(stages):
         params = sum(bl.params for bl in blocks)
         work = (b * sum(bl.compute_s for bl in blocks) + step_share * params) / speed
-        forward = p2p(b * blocks[-1].out_words * word + labels, cluster) if k < pipe - 1 else NONE
-        backward = p2p(b * stages[k - 1][-1].out_words * word, cluster) if k > 0 else NONE
         reduce = all_reduce(params * workload.word_bytes, replicas, cluster)
-        # a boundary's two messages (activations one way, their gradients back) cross it one after
-        # the other, so a stage's iteration hides what it receives as well as what it sends
-        fed = p2p(b * stages[k - 1][-1].out_words * word + labels, cluster) if k > 0 else NONE
-        returned = p2p(b * blocks[-1].out_words * word, cluster) if k < pipe - 1 else NONE
-        hidden, _ = overlapped(work, forward + backward + fed + returned, cluster)
-        locked = work + forward.time_s + backward.time_s
-        elapsed.append((locked if schedule == "sync" else hidden) + reduce.time_s)
+        sent = (activations[k] if k < pipe - 1 else NONE) + (gradients[k - 1] if k > 0 else NONE)
+        received = (activations[k - 1] if k > 0 else NONE) + (gradients[k] if k < pipe - 1 else NONE)
+        busy = work + cluster.cpu_s_per_byte * (sent.wire_bytes + received.wire_bytes)  # copies on the same core
+        last = k == pipe - 1
+        # the mean over the replicas runs where the stage's update does: after its (delayed) backward
+        forward = busy + reduce.time_s if last else forward_share * busy
+        times.append(StageTimes(forward, 0.0 if last else (1 - forward_share) * busy + reduce.time_s))
         compute.append(work)
-        sent = forward + backward + reduce
-        wire, payload = wire + sent.wire_bytes, payload + sent.payload_bytes
+        wire, payload = wire + (sent + reduce).wire_bytes, payload + (sent + reduce).payload_bytes
+    period = iteration_period(
+        times, [c.time_s for c in activations], [c.time_s for c in gradients], schedule, order, cluster.queue_s
+    )
     # every iteration's activations, gradients and reductions tie each worker to its neighbours
-    step = (sum(elapsed) if schedule == "sync" else max(elapsed)) + sync_wait(cluster, 1)
+    step = period + sync_wait(cluster, 1)
     drain = {"fdg": 2 * (pipe - 1), "ddg": pipe - 1, "sync": 0}[schedule]
+    arguments = {"pipe": pipe, "schedule": schedule, "order": order}
+    if wire_dtype:
+        arguments["wire_dtype"] = wire_dtype
     return Prediction(
         "decoupled",
-        {"pipe": pipe, "schedule": schedule, **({"wire_dtype": wire_dtype} if wire_dtype else {})},
+        arguments,
         cluster.workers,
         step_s=step,
         samples_per_step=b * replicas,
@@ -344,7 +358,11 @@ def decoupled(
         payload_bytes=payload / pipe,
         blocked_s=step - min(compute),
         staleness=float(drain),
-        detail={"stage_s": elapsed, "stage_blocks": [len(s) for s in stages], "drain": drain},
+        detail={
+            "stage_s": [t.forward_s + t.backward_s for t in times],
+            "stage_blocks": [len(s) for s in stages],
+            "drain": drain,
+        },
     )
 
 

@@ -154,11 +154,12 @@ def test_decoupled_pipeline_runs_at_its_slowest_stage():
     sync = predict("decoupled", w, Cluster(2, FREE), pipe=2, schedule="sync")
     assert sync.step_s == pytest.approx(16 * 4e-3)
     assert p.payload_bytes == pytest.approx((16 * 50 * 4 + 16 * 8 + 16 * 50 * 4) / 2)  # activations+labels, gradients
-    # a slow link: the boundary's activations (+ int64 labels) and gradients cross it one after the other
+    # a slow link: the activations (+ int64 labels) and gradients each take their own direction; a
+    # round trip spans 3 iterations with the forward first, 2 with the backward first
     slow = Cluster(2, Link(alpha=0.0, beta=4e-5))  # 1e-5 s per byte
-    crossing = (16 * 50 * 4 + 16 * 8) * 1e-5 + 16 * 50 * 4 * 1e-5  # stages [block 0] | [blocks 1, 2]: 50 words
-    assert crossing > 16 * 2e-3
-    assert predict("decoupled", w, slow, pipe=2).step_s == pytest.approx(crossing)
+    trip = 2 * 16 * 2e-3 + (16 * 50 * 4 + 16 * 8) * 1e-5 + 16 * 50 * 4 * 1e-5  # [block 0] | [blocks 1, 2]
+    assert predict("decoupled", w, slow, pipe=2).step_s == pytest.approx(trip / 3)
+    assert predict("decoupled", w, slow, pipe=2, order="backward_first").step_s == pytest.approx(trip / 2)
     bf16 = predict("decoupled", w, Cluster(2, FREE), pipe=2, wire_dtype="bf16")  # 2-byte activations, int64 labels
     assert bf16.payload_bytes == pytest.approx((16 * 50 * 2 + 16 * 8 + 16 * 50 * 2) / 2)
     with pytest.raises(ValueError, match=r"decoupled: `wire_dtype` must be None or 'bf16', got 'fp8'"):

@@ -1,0 +1,69 @@
+"""The pipeline's event model against the closed forms of two stages (derived by hand, see below)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from lightning_hier.simulator.pipeline import StageTimes, iteration_period
+
+# Two stages, C_k a stage's compute, L_a / L_g the activation's / gradient's transfer. Stage 1
+# sends the gradient C_1 after it took the activation; stage 0 waits for it:
+# - forward first: before its backward, one iteration after the forward that follows the one it
+#   answers, so a round trip may span 3 iterations;
+# - backward first (FDG's order): at the start of the next iteration, so it may span 2;
+# - ddg: the activation is locked (stage 0's send blocks until it arrived), the gradient spans 2;
+# - sync: the round trip is the iteration.
+CLOSED_FORMS = {
+    ("fdg", "forward_first"): lambda c0, c1, la, lg: max(c0, c1, la, lg, (c0 + c1 + la + lg) / 3),
+    ("fdg", "backward_first"): lambda c0, c1, la, lg: max(c0, c1, la, lg, (c0 + c1 + la + lg) / 2),
+    ("ddg", "forward_first"): lambda c0, c1, la, lg: max(c0 + la, c1, lg, (c0 + c1 + la + lg) / 2),
+    ("sync", "forward_first"): lambda c0, c1, la, lg: c0 + c1 + la + lg,
+}
+
+
+@pytest.mark.parametrize(("schedule", "order"), list(CLOSED_FORMS))
+def test_two_stages_match_the_closed_form(schedule: str, order: str) -> None:
+    rng = random.Random(7)
+    for _ in range(300):
+        forward, backward, last, la, lg = (rng.uniform(0.01, 1.0) for _ in range(5))
+        got = iteration_period([StageTimes(forward, backward), StageTimes(last)], [la], [lg], schedule, order)
+        assert got == pytest.approx(CLOSED_FORMS[schedule, order](forward + backward, last, la, lg), rel=1e-9)
+
+
+def test_free_links_run_at_the_slowest_stage() -> None:
+    stages = [StageTimes(0.1, 0.2), StageTimes(0.15, 0.3), StageTimes(0.25)]
+    for order in ("forward_first", "backward_first"):
+        assert iteration_period(stages, [0.0, 0.0], [0.0, 0.0], "fdg", order) == pytest.approx(0.45)
+    assert iteration_period(stages, [0.0, 0.0], [0.0, 0.0], "sync") == pytest.approx(1.0)
+
+
+def test_a_link_slower_than_every_stage_paces_the_pipeline() -> None:
+    """One message per direction per iteration: the slowest direction bounds the period from below."""
+    stages = [StageTimes(0.01, 0.01), StageTimes(0.01, 0.01), StageTimes(0.01)]
+    assert iteration_period(stages, [0.01, 5.0], [0.01, 0.01]) == pytest.approx(5.0)
+
+
+def test_bad_arguments_are_named() -> None:
+    two = [StageTimes(0.1, 0.1), StageTimes(0.1)]
+    with pytest.raises(ValueError, match=r"schedule 'gpipe'"):
+        iteration_period(two, [0.1], [0.1], "gpipe")
+    with pytest.raises(ValueError, match=r"order 'backward_first' needs schedule 'fdg', got 'sync'"):
+        iteration_period(two, [0.1], [0.1], "sync", "backward_first")
+    with pytest.raises(ValueError, match=r"2 stages need 1 transfer times each way"):
+        iteration_period(two, [0.1, 0.1], [0.1])
+
+
+def test_a_receive_ready_notice_waits_behind_the_other_directions_data() -> None:
+    """gloo sends only after the receiver's notice, which queues behind bulk data going its way."""
+    stages = [StageTimes(0.05, 0.05), StageTimes(0.1)]
+    link_bound = iteration_period(stages, [1.0], [1.0])
+    assert link_bound == pytest.approx(1.0)
+    queued = iteration_period(stages, [1.0], [1.0], queue_s=0.1)
+    assert 1.0 < queued <= 1.1 + 1e-9
+    # nothing travels the other way: the notices do not wait
+    assert iteration_period(stages, [1.0], [0.0], queue_s=0.1) == pytest.approx(iteration_period(stages, [1.0], [0.0]))
+    # a compute-bound pipeline hides them
+    slow = [StageTimes(2.0, 2.0), StageTimes(4.0)]
+    assert iteration_period(slow, [1.0], [1.0], queue_s=0.1) == pytest.approx(4.0)
