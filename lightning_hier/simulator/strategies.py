@@ -325,13 +325,20 @@ def decoupled(
     activations = [p2p(b * blocks[-1].out_words * word + labels, cluster) for blocks in stages[:-1]]
     gradients = [p2p(b * blocks[-1].out_words * word, cluster) for blocks in stages[:-1]]
     wire, payload, times, compute = 0.0, 0.0, [], []
+    decoupled_forward = schedule == "fdg"
     for k, blocks in enumerate(stages):
         params = sum(bl.params for bl in blocks)
         work = (b * sum(bl.compute_s for bl in blocks) + step_share * params) / speed
         reduce = all_reduce(params * workload.word_bytes, replicas, cluster)
         sent = (activations[k] if k < pipe - 1 else NONE) + (gradients[k - 1] if k > 0 else NONE)
-        received = (activations[k - 1] if k > 0 else NONE) + (gradients[k] if k < pipe - 1 else NONE)
-        busy = work + cluster.cpu_s_per_byte * (sent.wire_bytes + received.wire_bytes)  # copies on the same core
+        # a decoupled message travels while the stage computes, and its copies run on the same core; a
+        # locked one is waited for, its copies are its transfer time
+        behind = (activations[k] if k < pipe - 1 and decoupled_forward else NONE) + (
+            activations[k - 1] if k > 0 and decoupled_forward else NONE
+        )
+        if schedule != "sync":
+            behind += (gradients[k - 1] if k > 0 else NONE) + (gradients[k] if k < pipe - 1 else NONE)
+        busy = work + cluster.cpu_s_per_byte * behind.wire_bytes
         last = k == pipe - 1
         # the mean over the replicas runs where the stage's update does: after its (delayed) backward
         forward = busy + reduce.time_s if last else forward_share * busy
