@@ -24,8 +24,9 @@ For two stages (``C`` a stage's compute, ``L`` a transfer each way) this gives
 and its gradient may span ``n`` iterations. ``n = 3`` with the forward first (stage 0 needs the
 gradient only after its next forward) and ``n = 2`` with the backward first (before it). For
 ``sync`` the round trip is the iteration: ``T = C_0 + C_1 + L_a + L_g``. These hold with
-``queue_s = 0``; a standing queue on the link delays a notice up to ``queue_s`` when the other
-direction is sending, which a link-bound pipeline pays once per message.
+``queue_s = 0``. A standing queue on the link delays a notice up to ``queue_s`` when the other
+direction is sending: with one lane a link-bound pipeline pays that once per message, with the
+pipeline's two lanes the notice is posted an iteration early and the wait is hidden.
 """
 
 from __future__ import annotations
@@ -57,16 +58,18 @@ class _Direction:
 
     Message ``i`` leaves when it is sent, once message ``i - 1`` arrived and (decoupled) once the
     receiver's notice that it posted the receive got here: gloo sends a point-to-point message
-    only after that notice (``gloo/transport/tcp/pair.cc``), and a decoupled direction posts the
-    receive of message ``i`` when it takes message ``i - 1``. The notice travels the other way,
+    only after that notice (``gloo/transport/tcp/pair.cc``), and a decoupled direction with
+    ``lanes`` lanes posts the receive of message ``i`` when it takes message ``i - lanes``
+    (:class:`~lightning_hier.comm.Inbox`; the pipeline has two). The notice travels the other way,
     behind the data queued on that side (the boundary's other direction, :attr:`reverse`), for at
     most ``queue_s``. A locked receiver waits with its receive posted, so its notice is early.
     """
 
-    def __init__(self, transfer_s: float, locked: bool, queue_s: float) -> None:
+    def __init__(self, transfer_s: float, locked: bool, queue_s: float, lanes: int) -> None:
         self.transfer_s = transfer_s
         self.locked = locked
         self.queue_s = queue_s
+        self.lanes = lanes
         self.reverse: _Direction | None = None
         self.sent: list[float] = []
         self.posted: list[float] = []
@@ -85,7 +88,8 @@ class _Direction:
         if self.locked:
             return max(at, self.arrival(iteration))
         taken = max(at, self.arrival(iteration - 1)) if iteration > 0 else at
-        self.posted.append(taken)  # the receive of this iteration's message
+        # the first take posts a receive on every lane; each later one, on the lane it emptied
+        self.posted.extend([taken] * (self.lanes if not self.posted else 1))
         return taken
 
     def arrival(self, i: int) -> float:
@@ -114,6 +118,7 @@ def iteration_period(
     schedule: str = "fdg",
     order: str = "forward_first",
     queue_s: float = 0.0,
+    lanes: int = 2,
 ) -> float:
     """Steady seconds per iteration of the pipeline.
 
@@ -124,16 +129,20 @@ def iteration_period(
         schedule: ``'fdg'``, ``'ddg'`` or ``'sync'``.
         order: ``'forward_first'`` or ``'backward_first'`` (``fdg`` only).
         queue_s: The longest wait of a receive-ready notice behind bulk data (see :class:`_Direction`).
+        lanes: Receives a decoupled direction keeps posted (the pipeline's two: each is posted an
+            iteration before its message is needed; one: when the message before is taken).
     """
     if schedule not in SCHEDULES or order not in ORDERS:
         raise ValueError(f"iteration_period: schedule {schedule!r} / order {order!r} not in {SCHEDULES} / {ORDERS}.")
+    if lanes < 1:
+        raise ValueError(f"iteration_period: `lanes` must be >= 1, got {lanes!r}.")
     if order == "backward_first" and schedule != "fdg":
         raise ValueError(f"iteration_period: order 'backward_first' needs schedule 'fdg', got {schedule!r}.")
     k_max = len(stages) - 1
     if len(activations_s) != k_max or len(gradients_s) != k_max:
         raise ValueError(f"iteration_period: {len(stages)} stages need {k_max} transfer times each way.")
-    down = [_Direction(t, schedule != "fdg", queue_s) for t in activations_s]
-    up = [_Direction(t, schedule == "sync", queue_s) for t in gradients_s]
+    down = [_Direction(t, schedule != "fdg", queue_s, lanes) for t in activations_s]
+    up = [_Direction(t, schedule == "sync", queue_s, lanes) for t in gradients_s]
     for a, g in zip(down, up, strict=True):
         a.reverse, g.reverse = g, a
     ends = [0.0] * len(stages)

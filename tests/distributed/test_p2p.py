@@ -163,3 +163,40 @@ def test_a_mailboxs_tag_keeps_its_messages_from_another_mailbox_on_the_same_peer
     out = run_workers(_two_mailboxes, devices=2, timeout=60)
     assert out[0] == [[8.0] * 3, [2.0] * 2]
     assert out[1] == [[7.0] * 3, [1.0] * 2]
+
+
+def _two_lanes() -> dict:
+    """Rank 1 sends one growing parcel per iteration on lane ``i % 2``; rank 0 takes each one iteration later."""
+    from lightning_hier.comm import Inbox
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    lanes = tuple(Mailbox(None, torch.device("cpu"), timeout=timedelta(seconds=10), tag=t) for t in (0, 2))
+    rows = [3, 40, 0, 500, 500, 7]
+    inbox = Inbox(lanes, 1)
+    got, posted_ahead = [], []
+    for i, n in enumerate(rows):
+        if rank == 1:
+            lanes[i % 2].send_later(0, _parcel(i, 1, n))
+            continue
+        if i == len(rows) - 1:
+            inbox.last = i  # the run's last parcel: nothing may be posted beyond it
+        parcel = inbox.take()
+        posted_ahead.append(len(inbox._posted))
+        got.append(None if parcel is None else (parcel.tag, parcel.tensors[0].shape[0]))
+    if rank == 0:
+        last = inbox.settle()
+        got.append(None if last is None else (last.tag, last.tensors[0].shape[0]))
+    for lane in lanes:
+        lane.flush()
+    dist.barrier()
+    return {"got": got, "ahead": posted_ahead, "pending": inbox.pending}
+
+
+def test_an_inbox_with_two_lanes_posts_a_receive_an_iteration_early_and_none_beyond_the_last():
+    out = run_workers(_two_lanes, devices=2, timeout=60)[0]
+    # parcel i arrives in take i + 1 (rows 0 is an empty parcel); the last one with settle()
+    assert out["got"] == [None, (1, 3), (11, 40), None, (31, 500), (41, 500), (51, 7)]
+    # this iteration's receive and the next one's are posted, except past the last parcel
+    assert out["ahead"] == [2, 2, 2, 2, 2, 1]
+    assert not out["pending"]
