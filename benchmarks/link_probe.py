@@ -10,6 +10,8 @@ training step's messages) and times one transfer of ``--mb`` megabytes:
 - ``one way``: rank 0 sends, rank 1 receives (point-to-point);
 - ``both ways``: each rank sends to the other and receives from it at once, as the two messages
   of a pipeline boundary (activations forward, their gradients back) can cross;
+- ``two conns``: the same on two process groups, one TCP connection per direction (as the
+  decoupled pipeline sends them);
 - ``all-reduce``: a gloo all-reduce of the same size (each rank sends and receives it once).
 
 It prints every round's milliseconds, the median, and the share of ``both ways`` rounds slower
@@ -32,7 +34,7 @@ from typing import Any
 from benchmarks import netns
 from benchmarks.launch import end_ranks, pinned_cores, rank_env
 
-MODES = ("one way", "both ways", "all-reduce")
+MODES = ("one way", "both ways", "two conns", "all-reduce")
 SERIALISED = 1.5  # a crossing slower than this many one-way medians went one direction after the other
 
 
@@ -58,6 +60,7 @@ def _transfers(rank: int, words: int) -> dict[str, Callable[[], None]]:
     import torch.distributed as dist
 
     out, into = torch.ones(words), torch.empty(words)
+    back = dist.new_group([0, 1])  # a second connection: rank 1 sends to rank 0 on it
 
     def one_way() -> None:
         _wait(dist.isend(out, 1) if rank == 0 else dist.irecv(into, 0))
@@ -66,7 +69,14 @@ def _transfers(rank: int, words: int) -> dict[str, Callable[[], None]]:
         for work in (dist.isend(out, 1 - rank), dist.irecv(into, 1 - rank)):
             _wait(work)
 
-    return dict(zip(MODES, (one_way, both_ways, lambda: dist.all_reduce(into)), strict=True))
+    def two_conns() -> None:
+        send = dist.isend(out, 1, group=None) if rank == 0 else dist.isend(out, 0, group=back)
+        recv = dist.irecv(into, 1, group=back) if rank == 0 else dist.irecv(into, 0, group=None)
+        for work in (send, recv):
+            _wait(work)
+
+    transfers = (one_way, both_ways, two_conns, lambda: dist.all_reduce(into))
+    return dict(zip(MODES, transfers, strict=True))
 
 
 def _wait(work: Any) -> None:

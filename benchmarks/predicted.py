@@ -63,7 +63,6 @@ from benchmarks.fit_model import (
     with_warmup,
     with_whole_rounds,
 )
-from benchmarks.netns import Link as ShapedLink
 from lightning_hier.simulator import Cluster, Prediction, Workload, all_reduce, one_straggler, parse_link, predict
 from lightning_hier.simulator.__main__ import PRESETS, workload_layers
 from lightning_hier.simulator.inputs import Block
@@ -73,18 +72,14 @@ from lightning_hier.simulator.registry import MODELS
 EFFICIENCY = 0.944
 UNLIMITED_BITS = 7.9e9
 CPU_S_PER_BYTE = 3e-9
-TBF_QUEUE_S = float(ShapedLink().latency.removesuffix("ms")) / 1e3
-"""The emulated link's buffer: ``tbf ... latency 100ms`` holds 100 ms of data (:class:`benchmarks.netns.Link`)."""
 HEADERS = 0.002  # TCP/IP headers: veth offloads segmentation, so segments are ~64 KB
 NO_COMM = "no-comm"
 
 
 def _cluster(link: str, world: int, straggler: dict[str, Any] | None, jitter_s: float) -> Cluster:
-    shaped = link != "unlimited"
-    rate = parse_link(link, efficiency=EFFICIENCY) if shaped else parse_link(f"{UNLIMITED_BITS / 1e9}gbit")
+    rate = parse_link(link, efficiency=EFFICIENCY) if link != "unlimited" else parse_link(f"{UNLIMITED_BITS / 1e9}gbit")
     speeds = one_straggler(world, float(straggler["factor"])) if straggler else ()
-    queue_s = TBF_QUEUE_S if shaped else 0.0  # the shaped link's buffer (netns.Link.latency)
-    return Cluster(world, rate, "ring", speeds, cpu_s_per_byte=CPU_S_PER_BYTE, jitter_s=jitter_s, queue_s=queue_s)
+    return Cluster(world, rate, "ring", speeds, cpu_s_per_byte=CPU_S_PER_BYTE, jitter_s=jitter_s)
 
 
 def _reference_rounds_s(reference: dict[str, Any], cluster: Cluster) -> float:

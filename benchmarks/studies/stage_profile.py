@@ -219,7 +219,8 @@ def profile_runs(args: argparse.Namespace) -> list[tuple[str, list[dict[str, Any
     bench.prepare_data(data)
     hook = "python_factory" if args.cprofile else "factory"
     out = []
-    with tempfile.TemporaryDirectory() as tmp, EmulatedCluster(2, Link(w.link), tag=f"{os.getpid()}-{args.name}") as c:
+    link = Link(args.link or w.link)
+    with tempfile.TemporaryDirectory() as tmp, EmulatedCluster(2, link, tag=f"{os.getpid()}-{args.name}") as c:
         for i, sc in enumerate(wanted):
             spec: dict[str, Any] = {
                 "searchpath": str(w.searchpath),
@@ -280,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data-root", type=Path, help="CIFAR-10 (default: shared/datasets/cifar10-jpeg.tar.gz)")
     p.add_argument("--cprofile", action="store_true", help="also cProfile each rank's main thread (to the logs)")
     p.add_argument("--name", default="prof", help="label in the namespaces' names")
+    p.add_argument("--link", default=None, help="tc rate of the links (default: the workload's), e.g. 100mbit")
     args = p.parse_args(argv)
     results = profile_runs(args)
     print(table(results))

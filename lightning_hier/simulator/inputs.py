@@ -123,9 +123,6 @@ class Cluster:
         cpu_s_per_byte: Compute time a worker loses per byte it sends while computing (gloo on a
             CPU reduces and copies on the compute cores; about 0 for NCCL on a GPU).
         word_bytes: Bytes per word of ``link.beta``.
-        queue_s: Longest wait of a small message behind bulk data going the same way (a shaped
-            link's buffer: ``tbf ... latency``); the pipeline's receive-ready notices wait there
-            (:mod:`~lightning_hier.simulator.pipeline`). 0: no standing queue.
     """
 
     workers: int
@@ -135,7 +132,6 @@ class Cluster:
     cpu_s_per_byte: float = 0.0
     jitter_s: float = 0.0
     word_bytes: int = 4
-    queue_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -146,9 +142,8 @@ class Cluster:
             raise ValueError(f"Cluster: `speeds` needs one value per worker ({self.workers}), got {len(self.speeds)}.")
         if any(not s > 0 for s in self.speeds):
             raise ValueError(f"Cluster: every speed must be > 0, got {self.speeds!r}.")
-        for name in ("jitter_s", "queue_s"):
-            if not getattr(self, name) >= 0:
-                raise ValueError(f"Cluster: `{name}` must be >= 0 seconds, got {getattr(self, name)!r}.")
+        if not self.jitter_s >= 0:
+            raise ValueError(f"Cluster: `jitter_s` must be >= 0 seconds, got {self.jitter_s!r}.")
         if self.link.alpha < 0 or self.link.beta < 0 or self.cpu_s_per_byte < 0:
             raise ValueError(
                 f"Cluster: alpha, beta and cpu_s_per_byte must be >= 0, got {self.link} {self.cpu_s_per_byte}."

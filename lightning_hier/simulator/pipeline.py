@@ -11,8 +11,7 @@ and ``ddg``), a *locked* one within the iteration (``sync`` both, ``ddg`` the ac
 Each direction of a boundary is its own connection (the pipeline sends activations and their
 gradients on two process groups), carrying one message at a time: a message leaves when it is
 sent and the previous one on the same direction has arrived (the sender waits for that before
-it reuses the link's buffer) and its receiver's notice that the receive is posted got there (see
-:class:`_Direction`), and arrives its transfer time later. A locked send is blocking.
+it reuses the link's buffer), and arrives its transfer time later. A locked send is blocking.
 
 The iterations are played from the first; the period is the steady state's: stage 0's mean
 iteration over the last :data:`WINDOW` of :data:`ITERATIONS`. A max-plus system like this one
@@ -23,10 +22,7 @@ For two stages (``C`` a stage's compute, ``L`` a transfer each way) this gives
 ``T = max(C_0, C_1, L_a, L_g, (C_0 + C_1 + L_a + L_g) / n)``: one round trip of the activation
 and its gradient may span ``n`` iterations. ``n = 3`` with the forward first (stage 0 needs the
 gradient only after its next forward) and ``n = 2`` with the backward first (before it). For
-``sync`` the round trip is the iteration: ``T = C_0 + C_1 + L_a + L_g``. These hold with
-``queue_s = 0``. A standing queue on the link delays a notice up to ``queue_s`` when the other
-direction is sending: with one lane a link-bound pipeline pays that once per message, with the
-pipeline's two lanes the notice is posted an iteration early and the wait is hidden.
+``sync`` the round trip is the iteration: ``T = C_0 + C_1 + L_a + L_g``.
 """
 
 from __future__ import annotations
@@ -54,61 +50,28 @@ class StageTimes:
 
 
 class _Direction:
-    """One connection, one message at a time, each arriving ``transfer_s`` after it leaves.
+    """One connection, one message at a time.
 
-    Message ``i`` leaves when it is sent, once message ``i - 1`` arrived and (decoupled) once the
-    receiver's notice that it posted the receive got here: gloo sends a point-to-point message
-    only after that notice (``gloo/transport/tcp/pair.cc``), and a decoupled direction with
-    ``lanes`` lanes posts the receive of message ``i`` when it takes message ``i - lanes``
-    (:class:`~lightning_hier.comm.Inbox`; the pipeline has two). The notice travels the other way,
-    behind the data queued on that side (the boundary's other direction, :attr:`reverse`), for at
-    most ``queue_s``. A locked receiver waits with its receive posted, so its notice is early.
+    Message ``i`` leaves when it is sent and message ``i - 1`` has arrived; it arrives
+    ``transfer_s`` later.
     """
 
-    def __init__(self, transfer_s: float, locked: bool, queue_s: float, lanes: int) -> None:
+    def __init__(self, transfer_s: float, locked: bool) -> None:
         self.transfer_s = transfer_s
         self.locked = locked
-        self.queue_s = queue_s
-        self.lanes = lanes
-        self.reverse: _Direction | None = None
-        self.sent: list[float] = []
-        self.posted: list[float] = []
-        self.leaves: list[float] = []
         self.arrivals: list[float] = []
 
     def send(self, at: float) -> float:
         """Send the next message at ``at``; returns when the sender goes on (it first waits for the last one)."""
-        if self.sent:
-            at = max(at, self.arrival(len(self.sent) - 1))
-        self.sent.append(at)
-        return self.arrival(len(self.sent) - 1) if self.locked else at
+        if self.arrivals:
+            at = max(at, self.arrivals[-1])
+        self.arrivals.append(at + self.transfer_s)
+        return self.arrivals[-1] if self.locked else at
 
     def ready(self, iteration: int, at: float) -> float:
         """When a receiver there at ``at`` has the message of ``iteration`` (decoupled: the one before)."""
-        if self.locked:
-            return max(at, self.arrival(iteration))
-        taken = max(at, self.arrival(iteration - 1)) if iteration > 0 else at
-        # the first take posts a receive on every lane; each later one, on the lane it emptied
-        self.posted.extend([taken] * (self.lanes if not self.posted else 1))
-        return taken
-
-    def arrival(self, i: int) -> float:
-        while len(self.arrivals) <= i:
-            j = len(self.arrivals)
-            leaves = max(self.sent[j], self.arrivals[-1] if self.arrivals else 0.0)
-            if not self.locked:
-                leaves = max(leaves, self.posted[j] + self._notice_delay(self.posted[j]))
-            self.leaves.append(leaves)
-            self.arrivals.append(leaves + self.transfer_s)
-        return self.arrivals[i]
-
-    def _notice_delay(self, at: float) -> float:
-        """The receive-ready notice's wait behind the reverse direction's message in flight at ``at``."""
-        other = self.reverse
-        if other is None or self.queue_s == 0:
-            return 0.0
-        remaining = (end - at for start, end in zip(other.leaves, other.arrivals, strict=True) if start <= at < end)
-        return min(self.queue_s, max(remaining, default=0.0))
+        sent = iteration if self.locked else iteration - 1
+        return max(at, self.arrivals[sent]) if sent >= 0 else at
 
 
 def iteration_period(
@@ -117,8 +80,6 @@ def iteration_period(
     gradients_s: Sequence[float],
     schedule: str = "fdg",
     order: str = "forward_first",
-    queue_s: float = 0.0,
-    lanes: int = 2,
 ) -> float:
     """Steady seconds per iteration of the pipeline.
 
@@ -128,23 +89,16 @@ def iteration_period(
         gradients_s: Transfer time of the gradient from stage ``k + 1`` back to ``k`` (``K - 1`` values).
         schedule: ``'fdg'``, ``'ddg'`` or ``'sync'``.
         order: ``'forward_first'`` or ``'backward_first'`` (``fdg`` only).
-        queue_s: The longest wait of a receive-ready notice behind bulk data (see :class:`_Direction`).
-        lanes: Receives a decoupled direction keeps posted (the pipeline's two: each is posted an
-            iteration before its message is needed; one: when the message before is taken).
     """
     if schedule not in SCHEDULES or order not in ORDERS:
         raise ValueError(f"iteration_period: schedule {schedule!r} / order {order!r} not in {SCHEDULES} / {ORDERS}.")
-    if lanes < 1:
-        raise ValueError(f"iteration_period: `lanes` must be >= 1, got {lanes!r}.")
     if order == "backward_first" and schedule != "fdg":
         raise ValueError(f"iteration_period: order 'backward_first' needs schedule 'fdg', got {schedule!r}.")
     k_max = len(stages) - 1
     if len(activations_s) != k_max or len(gradients_s) != k_max:
         raise ValueError(f"iteration_period: {len(stages)} stages need {k_max} transfer times each way.")
-    down = [_Direction(t, schedule != "fdg", queue_s, lanes) for t in activations_s]
-    up = [_Direction(t, schedule == "sync", queue_s, lanes) for t in gradients_s]
-    for a, g in zip(down, up, strict=True):
-        a.reverse, g.reverse = g, a
+    down = [_Direction(t, schedule != "fdg") for t in activations_s]
+    up = [_Direction(t, schedule == "sync") for t in gradients_s]
     ends = [0.0] * len(stages)
     first: list[float] = []  # stage 0's iteration ends
     for i in range(ITERATIONS):

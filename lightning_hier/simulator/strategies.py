@@ -345,9 +345,7 @@ def decoupled(
         times.append(StageTimes(forward, 0.0 if last else (1 - forward_share) * busy + reduce.time_s))
         compute.append(work)
         wire, payload = wire + (sent + reduce).wire_bytes, payload + (sent + reduce).payload_bytes
-    period = iteration_period(
-        times, [c.time_s for c in activations], [c.time_s for c in gradients], schedule, order, cluster.queue_s
-    )
+    period = iteration_period(times, [c.time_s for c in activations], [c.time_s for c in gradients], schedule, order)
     # every iteration's activations, gradients and reductions tie each worker to its neighbours
     step = period + sync_wait(cluster, 1)
     drain = {"fdg": 2 * (pipe - 1), "ddg": pipe - 1, "sync": 0}[schedule]

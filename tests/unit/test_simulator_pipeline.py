@@ -53,22 +53,3 @@ def test_bad_arguments_are_named() -> None:
         iteration_period(two, [0.1], [0.1], "sync", "backward_first")
     with pytest.raises(ValueError, match=r"2 stages need 1 transfer times each way"):
         iteration_period(two, [0.1, 0.1], [0.1])
-
-
-def test_a_receive_ready_notice_waits_behind_the_other_directions_data_unless_posted_early() -> None:
-    """gloo sends only after the receiver's notice, which queues behind bulk data going its way."""
-    stages = [StageTimes(0.05, 0.05), StageTimes(0.1)]
-    assert iteration_period(stages, [1.0], [1.0]) == pytest.approx(1.0)
-    # one lane: the receive is posted when the message before is taken, as the sender is ready
-    queued = iteration_period(stages, [1.0], [1.0], queue_s=0.1, lanes=1)
-    assert 1.0 < queued <= 1.1 + 1e-9
-    # nothing travels the other way: the notices do not wait
-    alone = iteration_period(stages, [1.0], [0.0], queue_s=0.1, lanes=1)
-    assert alone == pytest.approx(iteration_period(stages, [1.0], [0.0], lanes=1))
-    # the pipeline's two lanes post each receive an iteration early: the wait is hidden
-    assert iteration_period(stages, [1.0], [1.0], queue_s=0.1) == pytest.approx(1.0)
-    # so does a compute-bound pipeline
-    slow = [StageTimes(2.0, 2.0), StageTimes(4.0)]
-    assert iteration_period(slow, [1.0], [1.0], queue_s=0.1, lanes=1) == pytest.approx(4.0)
-    with pytest.raises(ValueError, match=r"`lanes` must be >= 1, got 0"):
-        iteration_period(stages, [1.0], [1.0], lanes=0)

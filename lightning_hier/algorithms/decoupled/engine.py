@@ -16,10 +16,8 @@ stage ``k`` an iteration is:
    :mod:`.schedule`) stages ``k < K - 1`` run step 3 before step 2.
 
 **Messages.** A decoupled direction (activations for ``fdg``, gradients for ``fdg``/``ddg``)
-carries exactly one message per iteration, empty when there is nothing to say, on one of two
-lanes (tags) in turn. Its receive is posted when the message two iterations before it is taken
-(:class:`~lightning_hier.comm.Inbox`: gloo sends only once the receiver's notice came, so the
-notice is there before the sender is) and waited for only where the stage needs it (the
+carries exactly one message per iteration, empty when there is nothing to say. Its receive is
+posted when the previous one is taken and waited for only where the stage needs it (the
 activation when the iteration starts, the gradient just before the delayed backward), and a send
 is waited for only before its link's buffer is written again (:meth:`Mailbox.send_later`): so an
 activation gradient leaving the last stage after its compute travels behind the next iteration's
@@ -52,10 +50,8 @@ from lightning_hier.comm.p2p import Mailbox, Parcel
 from lightning_hier.comm.two_level import two_level_mean_
 
 Group = dist.ProcessGroup | None
-# training keeps receives posted between iterations; evaluation's messages must not match them.
-# A decoupled direction's message of iteration t travels on lane t % 2 (comm.inbox: its receive is
-# posted an iteration early)
-_TRAIN_TAGS, _EVAL_TAG = (0, 2), 1
+# training keeps receives posted between iterations; evaluation's messages must not match them
+_TRAIN_TAG, _EVAL_TAG = 0, 1
 WIRE_DTYPES = (None, torch.bfloat16)
 """What activations and their gradients may travel as (``None``: their own dtype)."""
 LossFn = Callable[[Tensor, Tensor | None], Tensor]
@@ -169,10 +165,10 @@ class DecoupledPipeline:
         self.check_gradients = check_gradients
         self.runner = StageRunner(stage, weights)
         down, up = pipe_group if isinstance(pipe_group, tuple) else (pipe_group, pipe_group)
-        self.down = tuple(Mailbox(down, self.runner.device, self.stats, timeout, tag=t) for t in _TRAIN_TAGS)
-        """Lanes of the activations (and labels) to stage ``k + 1``, from stage ``k - 1``."""
-        self.up = tuple(Mailbox(up, self.runner.device, self.stats, timeout, tag=t) for t in _TRAIN_TAGS)
-        """Lanes of the activation gradients to stage ``k - 1``, from stage ``k + 1``."""
+        self.down = Mailbox(down, self.runner.device, self.stats, timeout, tag=_TRAIN_TAG)
+        """Activations (and labels) to stage ``k + 1``, from stage ``k - 1``."""
+        self.up = Mailbox(up, self.runner.device, self.stats, timeout, tag=_TRAIN_TAG)
+        """Activation gradients to stage ``k - 1``, from stage ``k + 1``."""
         self._eval_mail: dict[bool, Mailbox] = {}
         self.fifo: deque[InFlight] = deque()
         # the decoupled directions: each iteration's message is taken in the next, where it is needed
@@ -195,9 +191,9 @@ class DecoupledPipeline:
         return self.k == len(self.ranks) - 1
 
     @property
-    def mailboxes(self) -> tuple[Mailbox, ...]:
-        """The training mailboxes: activations' lanes (:attr:`down`), then gradients' (:attr:`up`)."""
-        return (*self.down, *self.up)
+    def mailboxes(self) -> tuple[Mailbox, Mailbox]:
+        """The training mailboxes: activations' (:attr:`down`), then gradients' (:attr:`up`)."""
+        return self.down, self.up
 
     @property
     def staleness(self) -> int:
@@ -248,8 +244,6 @@ class DecoupledPipeline:
         """Iterate without input until every batch in flight was applied; then restart the counters."""
         if not self.in_flight:
             return []
-        for inbox in self._inboxes.values():  # no receive is posted beyond the drain's last message
-            inbox.last = self.iteration + self.schedule.drain_iterations - 1
         reports = [self.step(None, apply) for _ in range(self.schedule.drain_iterations)]
         # the last iteration's messages are empty; nothing may stay posted beyond the pipeline's run
         late = [inbox.settle() for inbox in self._inboxes.values()]
@@ -266,7 +260,7 @@ class DecoupledPipeline:
                 return None
             return Parcel(_split_batch(batch), tag=self.fed)
         if self.schedule.forward_locked:
-            received = self.down[0].recv(self.ranks[self.k - 1]) if batch is not None else None
+            received = self.down.recv(self.ranks[self.k - 1]) if batch is not None else None
             parcel = received.clone() if received is not None else None
         else:
             parcel = self._inboxes["activation"].take()  # the previous iteration's
@@ -280,7 +274,7 @@ class DecoupledPipeline:
     def _delayed_backward(self, fed: bool, apply: Apply) -> _Done | None:
         """Backward of the oldest FIFO entry if its gradient is there; its input gradient goes to stage ``k - 1``."""
         if self.schedule.backward_locked:
-            gradient = self.up[0].recv(self.ranks[self.k + 1]) if fed else None  # used before the link's next message
+            gradient = self.up.recv(self.ranks[self.k + 1]) if fed else None  # used before the link's next message
         else:
             gradient = self._inboxes["gradient"].take()  # waited for here: it travelled behind the forward
         done = self._backward(gradient, apply) if gradient is not None else None
@@ -292,9 +286,9 @@ class DecoupledPipeline:
             return
         outgoing = done.outgoing if done is not None else None
         if not self.schedule.backward_locked:
-            self._lane(self.up).send_later(self.ranks[self.k - 1], outgoing)  # one message per iteration, maybe empty
+            self.up.send_later(self.ranks[self.k - 1], outgoing)  # one message per iteration, maybe empty
         elif outgoing is not None:
-            self.up[0].send(self.ranks[self.k - 1], outgoing)
+            self.up.send(self.ranks[self.k - 1], outgoing)
 
     def _forward_last(self, parcel: Parcel, apply: Apply) -> _Done:
         inputs, *targets = parcel.tensors
@@ -319,10 +313,9 @@ class DecoupledPipeline:
             self.fifo.append(entry)
             activation = Parcel((self._wire(output.detach()), *targets), tag=parcel.tag)
         if not self.schedule.forward_locked:
-            # one message per iteration, maybe empty
-            self._lane(self.down).send_later(self.ranks[self.k + 1], activation)
+            self.down.send_later(self.ranks[self.k + 1], activation)  # one message per iteration, maybe empty
         elif activation is not None:
-            self.down[0].send(self.ranks[self.k + 1], activation)
+            self.down.send(self.ranks[self.k + 1], activation)
 
     def _backward(self, gradient: Parcel, apply: Apply) -> _Done:
         entry = self.fifo.popleft()
@@ -340,10 +333,6 @@ class DecoupledPipeline:
         if not self.first:
             outgoing = Parcel((self._wire(_grad_of(entry.inputs)),), tag=entry.batch, value=gradient.value)
         return _Done(entry.batch, gradient.value, int(entry.inputs.shape[0]), outgoing)
-
-    def _lane(self, lanes: tuple[Mailbox, ...]) -> Mailbox:
-        """The lane of this iteration's message on a decoupled direction."""
-        return lanes[self.iteration % len(lanes)]
 
     def _wire(self, tensor: Tensor) -> Tensor:
         """``tensor`` as it travels: in ``wire_dtype`` when that is set and ``tensor`` is a wider float."""
@@ -373,8 +362,7 @@ class DecoupledPipeline:
         Every stage of the replica returns the last stage's output. Call it on all stages of the
         replica together (in evaluation mode for BatchNorm and dropout).
         """
-        lane = self.down[0]
-        box = Mailbox(lane.group, self.runner.device, self.stats, lane.timeout, tag=_EVAL_TAG)
+        box = Mailbox(self.down.group, self.runner.device, self.stats, self.down.timeout, tag=_EVAL_TAG)
         mail = self._eval_mail.setdefault(torch.is_inference_mode_enabled(), box)
         hidden = inputs if self.first else _received(mail.recv(self.ranks[self.k - 1]))
         output = self.runner.module(hidden)
