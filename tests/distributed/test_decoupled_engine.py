@@ -65,11 +65,14 @@ def _run_stage(
     batchnorm: bool = False,
     order: str = "forward_first",
     wire_dtype: torch.dtype | None = None,
+    two_groups: bool = False,
 ) -> dict:
     dist.init_process_group("gloo")
     topo = Topology(dist.get_world_size(), pipe=num_stages)
     rank = dist.get_rank()
     groups = topo.build(rank)
+    # as the strategy does: the gradients on a second group, a TCP connection per direction
+    pipe_group = (groups.pipe, topo.build_second_group("pipe", rank)) if two_groups else groups.pipe
     k, d = topo.coords(rank).pipe, topo.coords(rank).data
     stage = _stages(num_stages, batchnorm)[k]
     optimizer = _optimizer(stage)
@@ -77,7 +80,7 @@ def _run_stage(
         stage,
         stage_index=k,
         stage_ranks=topo.group_ranks("pipe", rank),
-        pipe_group=groups.pipe,
+        pipe_group=pipe_group,
         data_group=groups.data,
         schedule=schedule,
         weights=weights,
@@ -99,7 +102,8 @@ def _run_stage(
         assert not pipe.fifo and not pipe.in_flight
         offset = len(reports)
     params = [updated[max(i for i in updated if i <= t)] for t in range(len(reports))]
-    return {"stage": k, "params": params, "reports": reports, "bytes": pipe.stats.bytes}
+    connections = len({id(mail.group) for mail in pipe.mailboxes})
+    return {"stage": k, "params": params, "reports": reports, "bytes": pipe.stats.bytes, "connections": connections}
 
 
 CASES = [
@@ -124,6 +128,19 @@ def test_every_stage_follows_the_stale_gradient_rule(num_stages, replicas, sched
         assert len(o["params"]) == len(expected[k])
         for t, (got, want) in enumerate(zip(o["params"], expected[k], strict=True)):
             torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5, msg=f"rank {rank} stage {k} iteration {t}")
+
+
+TWO_GROUPS = [("fdg", "forward_first"), ("fdg", "backward_first"), ("sync", "forward_first")]
+
+
+@pytest.mark.parametrize(("schedule", "order"), TWO_GROUPS)
+def test_activations_and_gradients_on_two_groups_follow_the_same_rule(schedule, order):
+    out = run_workers(_run_stage, 3, schedule, "stash", 1.0, (5,), False, order, None, True, devices=3)
+    expected = simulate(_stages(3), _concatenated(1, (5,)), schedule, _optimizer, "stash", 1.0, order=order)
+    for o in out:
+        assert o["connections"] == 2
+        for t, (got, want) in enumerate(zip(o["params"], expected[o["stage"]], strict=True)):
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5, msg=f"stage {o['stage']} iteration {t}")
 
 
 @pytest.mark.parametrize("num_stages", [3])  # K = 2 and 4: under Lightning

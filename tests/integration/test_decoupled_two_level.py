@@ -45,12 +45,20 @@ class _Levels(Callback):
     def __init__(self) -> None:
         self.levels: list[list[int]] = []
         self.timeouts: list[float] = []
+        self.directions: list[tuple[list[int], float]] = []
 
     def on_train_start(self, trainer, *args) -> None:
         pipe = trainer.strategy.pipeline
         self.levels = [dist.get_process_group_ranks(g) for g in pipe.data_groups]
         # after start-up every group waits `timeout` (30 s here), not the long init_timeout
-        self.timeouts = [g._get_backend(torch.device("cpu")).options._timeout.total_seconds() for g in pipe.data_groups]
+        self.timeouts = [_timeout(g) for g in pipe.data_groups]
+        # activations and their gradients: two groups over the same stages, one TCP connection each
+        unique = {id(m.group): m.group for m in pipe.mailboxes if m.group is not None}
+        self.directions = [(dist.get_process_group_ranks(g), _timeout(g)) for g in unique.values()]
+
+
+def _timeout(group: dist.ProcessGroup) -> float:
+    return group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
 
 
 def _fit(stages: int, schedule: str, every: int | None, rule: str) -> dict:
@@ -70,6 +78,7 @@ def _fit(stages: int, schedule: str, every: int | None, rule: str) -> dict:
     return {
         "levels": levels.levels,
         "timeouts": levels.timeouts,
+        "directions": levels.directions,
         "whole": flat_params(module),
         "loss": float(t.callback_metrics["train/loss"]),
     }
@@ -116,6 +125,9 @@ def test_periodic_across_nodes_equals_the_single_process_simulation(stages, ever
 def test_delayed_gradients_train_across_nodes_and_end_on_one_model():
     out = run_workers(_fit, 2, "fdg", 2, "hpsgd", devices=DEVICES, num_nodes=NODES)
     assert all(torch.isfinite(o["whole"]).all() and o["loss"] < 2.5 for o in out)
+    for rank, o in enumerate(out):  # the node's two stages, once per direction, with the strategy's timeout
+        node = [2 * (rank // 2), 2 * (rank // 2) + 1]
+        assert o["directions"] == [(node, 30.0), (node, 30.0)]
     for o in out[1:]:
         assert torch.equal(o["whole"], out[0]["whole"])
 
