@@ -86,6 +86,7 @@ from lightning_hier.strategies._finite import all_finite
 from lightning_hier.strategies._inter_node import InterNodeLevel, data_levels
 from lightning_hier.strategies._pipeline_loss import TrainingStepLoss
 from lightning_hier.strategies._pipeline_stages import PipelineStagesStrategy
+from lightning_hier.strategies._step_sync import local_sigterm_check
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -309,6 +310,12 @@ class DecoupledStrategy(PipelineStagesStrategy):
         warnings.filterwarnings(
             "ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before", category=UserWarning
         )
+        # Lightning's per-step SIGTERM-flag broadcast on the default group would make the start of
+        # every step a barrier of all stages (with one replica the pipe group is the default group,
+        # so it also queues behind the activations on their connection): the stages would lose the
+        # slack the delayed gradients give them. The pipeline's own messages keep the ranks
+        # together, and a signalled rank still stops (see _step_sync)
+        local_sigterm_check(trainer)
         topo, coords = self.topology, self.topology.coords(self.global_rank)
         # periodic across nodes: the per-update mean stays in the node; else node, then across nodes
         levels = (self.groups.data_intra, None) if self.inter_level.enabled else data_levels(self.groups)
