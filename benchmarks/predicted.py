@@ -65,7 +65,7 @@ from benchmarks.fit_model import (
 )
 from lightning_hier.simulator import Cluster, Prediction, Workload, all_reduce, one_straggler, parse_link, predict
 from lightning_hier.simulator.__main__ import PRESETS, workload_layers
-from lightning_hier.simulator.inputs import Block
+from lightning_hier.simulator.inputs import FORWARD_SHARE, Block
 from lightning_hier.simulator.prediction import compute_s
 from lightning_hier.simulator.registry import MODELS
 
@@ -147,7 +147,7 @@ def forward_share(preset: Workload | None) -> float:
     its compute (its first convolution needs no input gradient), not a third: with 1/3, DDP on a
     100 Mbit/s link was predicted 16-22 % faster than it ran, its exposed forward under-counted.
     """
-    return preset.forward_s / preset.sample_s if preset is not None and preset.sample_s > 0 else 1 / 3
+    return preset.forward_share if preset is not None else FORWARD_SHARE
 
 
 def _model_overrides(run: dict[str, Any]) -> set[str]:

@@ -22,6 +22,10 @@ ALGORITHMS = ("ring", "tree", "halving_doubling")
 """All-reduce algorithms the model knows (see :mod:`lightning_hier.simulator.collectives`)."""
 
 
+FORWARD_SHARE = 1 / 3
+"""A forward's share of a sample's compute when none is measured: the backward as two forwards."""
+
+
 @dataclass(frozen=True)
 class Block:
     """One block of an ``nn.Sequential`` network, as a pipeline stage is cut from blocks.
@@ -85,6 +89,11 @@ class Workload:
     def sample_s(self) -> float:
         """Forward plus backward seconds per sample."""
         return self.forward_s + self.backward_s
+
+    @property
+    def forward_share(self) -> float:
+        """The forward's share of :attr:`sample_s` (:data:`FORWARD_SHARE` when nothing was measured)."""
+        return self.forward_s / self.sample_s if self.sample_s > 0 else FORWARD_SHARE
 
     @property
     def param_bytes(self) -> int:

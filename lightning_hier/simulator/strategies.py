@@ -320,12 +320,11 @@ def decoupled(
     replicas, b, speed = cluster.workers // pipe, workload.batch_size, min(cluster.speed_list)
     stages = split_blocks(workload.blocks, pipe)
     step_share = workload.step_s / max(1, workload.params)
-    forward_share = workload.forward_s / workload.sample_s if workload.sample_s > 0 else 1 / 3
+    forward_share = workload.forward_share
     labels = b * FLOAT64  # int64 targets travel with the activations
     activations = [p2p(b * blocks[-1].out_words * word + labels, cluster) for blocks in stages[:-1]]
     gradients = [p2p(b * blocks[-1].out_words * word, cluster) for blocks in stages[:-1]]
     wire, payload, times, compute = 0.0, 0.0, [], []
-    decoupled_forward = schedule == "fdg"
     for k, blocks in enumerate(stages):
         params = sum(bl.params for bl in blocks)
         work = (b * sum(bl.compute_s for bl in blocks) + step_share * params) / speed
@@ -333,11 +332,9 @@ def decoupled(
         sent = (activations[k] if k < pipe - 1 else NONE) + (gradients[k - 1] if k > 0 else NONE)
         # a decoupled message travels while the stage computes, and its copies run on the same core; a
         # locked one is waited for, its copies are its transfer time
-        behind = (activations[k] if k < pipe - 1 and decoupled_forward else NONE) + (
-            activations[k - 1] if k > 0 and decoupled_forward else NONE
+        behind = (_boundaries(activations, k) if schedule == "fdg" else NONE) + (
+            _boundaries(gradients, k) if schedule != "sync" else NONE
         )
-        if schedule != "sync":
-            behind += (gradients[k - 1] if k > 0 else NONE) + (gradients[k] if k < pipe - 1 else NONE)
         busy = work + cluster.cpu_s_per_byte * behind.wire_bytes
         last = k == pipe - 1
         # the mean over the replicas runs where the stage's update does: after its (delayed) backward
@@ -369,6 +366,11 @@ def decoupled(
             "drain": drain,
         },
     )
+
+
+def _boundaries(messages: Sequence[Comm], k: int) -> Comm:
+    """Stage ``k``'s share of one direction's messages: those of its boundaries before and after it."""
+    return sum((messages[j] for j in (k - 1, k) if 0 <= j < len(messages)), NONE)
 
 
 def grid2d(
