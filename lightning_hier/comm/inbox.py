@@ -1,6 +1,6 @@
 """One message per iteration from one neighbour, received in the background and taken when needed.
 
-A lock-step pipeline gets exactly one parcel per iteration on each decoupled link, and uses the
+A lock-step pipeline gets at most one parcel per iteration on each decoupled link, and uses the
 parcel of iteration ``t`` somewhere in iteration ``t + 1``. :class:`Inbox` keeps the receive of
 the current iteration's parcel posted until the rank needs it, so the transfer runs behind the
 compute that comes before the point of use (rather than ending the iteration that sent it).
@@ -12,9 +12,10 @@ from lightning_hier.comm.p2p import Mailbox, Parcel, Posted
 
 
 class Inbox:
-    """The parcels one peer sends over a :class:`Mailbox`, one per iteration, taken one iteration later.
+    """The parcels one peer sends over a :class:`Mailbox`, at most one per iteration, taken one iteration later.
 
-    Call :meth:`take` exactly once per iteration (the peer sends exactly once per iteration), and
+    Call :meth:`take` exactly once per iteration, saying whether the peer sends in it (both ends
+    know that from the schedule, so an iteration with nothing to say sends no message at all), and
     :meth:`settle` once after the last one.
 
     Args:
@@ -27,10 +28,15 @@ class Inbox:
         self.peer = peer
         self._posted: Posted | None = None
 
-    def take(self) -> Parcel | None:
-        """The previous iteration's parcel (a copy, ``None`` if empty or none); posts this iteration's receive."""
+    def take(self, expect: bool = True) -> Parcel | None:
+        """The previous iteration's parcel (a copy, ``None`` if empty or none); posts this iteration's receive.
+
+        Args:
+            expect: Whether the peer sends in this iteration (``False``: nothing is posted).
+        """
         got = self.settle()
-        self._posted = self.mail.post({}, (self.peer,))
+        if expect:
+            self._posted = self.mail.post({}, (self.peer,))
         return got
 
     def settle(self) -> Parcel | None:

@@ -270,10 +270,11 @@ def test_bf16_on_the_wire_rounds_only_what_crosses_a_cut_and_halves_its_bytes():
         for t, (got, want) in enumerate(zip(o["params"], expected[k], strict=True)):
             torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5, msg=f"stage {k} iteration {t}")
     assert not torch.allclose(bf16[0]["params"][-1], unrounded[0][-1], atol=1e-6, rtol=1e-5)
-    # one message per iteration and direction, of the link's buffer size; its 4 x 8 floats take 2 bytes, not 4
-    iterations = len(plain[0]["reports"])
-    assert plain[0]["bytes"] - bf16[0]["bytes"] == iterations * ROWS * 8 * 2  # activations, from iteration 0
-    assert plain[1]["bytes"] - bf16[1]["bytes"] == (iterations - 1) * ROWS * 8 * 2  # gradients, from iteration 1
+    # one message per batch and direction (none in the fill's and the drain's iterations without one),
+    # of the link's buffer size; its 4 x 8 floats take 2 bytes, not 4
+    assert len(plain[0]["reports"]) == sum(batches) + 2
+    assert plain[0]["bytes"] - bf16[0]["bytes"] == sum(batches) * ROWS * 8 * 2  # activations
+    assert plain[1]["bytes"] - bf16[1]["bytes"] == sum(batches) * ROWS * 8 * 2  # gradients
 
 
 def test_wire_dtype_other_than_bf16_is_rejected():

@@ -30,6 +30,27 @@ def test_staleness_and_lags_follow_the_papers():
         Schedule("gpipe", 2)
 
 
+@pytest.mark.parametrize(
+    ("name", "order", "stages", "acts", "grads"),
+    [
+        # stage k's activations / gradients over 3 batches and the drain (iterations), by stage
+        ("fdg", "forward_first", 2, [[0, 1, 2], []], [[], [1, 2, 3]]),
+        ("fdg", "backward_first", 2, [[0, 1, 2], []], [[], [1, 2, 3]]),
+        ("fdg", "forward_first", 3, [[0, 1, 2], [1, 2, 3], []], [[], [3, 4, 5], [2, 3, 4]]),
+        ("ddg", "forward_first", 3, [[0, 1, 2], [0, 1, 2], []], [[], [1, 2, 3], [0, 1, 2]]),
+    ],
+)
+def test_a_message_travels_once_per_batch_and_boundary(name, order, stages, acts, grads):
+    """Batch ``b``'s activation leaves stage ``k`` when ``k`` forwards it, its gradient when ``k`` applies
+    it; no iteration of the fill or the drain sends one, and the drain's last sends nothing at all."""
+    schedule, fed = Schedule(name, stages, order), 3
+    iterations = range(fed + schedule.drain_iterations)
+    for k in range(stages):
+        assert [i for i in iterations if schedule.sends_activation(k, i, min(i + 1, fed))] == acts[k]
+        assert [i for i in iterations if schedule.sends_gradient(k, i, min(i + 1, fed))] == grads[k]
+        assert max(acts[k] + grads[k]) < iterations[-1]
+
+
 def _brute_force(costs, stages):
     best = None
     for points in itertools.combinations(range(1, len(costs)), stages - 1):

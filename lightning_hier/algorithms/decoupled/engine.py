@@ -16,8 +16,11 @@ stage ``k`` an iteration is:
    :mod:`.schedule`) stages ``k < K - 1`` run step 3 before step 2.
 
 **Messages.** A decoupled direction (activations for ``fdg``, gradients for ``fdg``/``ddg``)
-carries exactly one message per iteration, empty when there is nothing to say. Its receive is
-posted when the previous one is taken and waited for only where the stage needs it (the
+carries at most one message per iteration, one per batch: an iteration of the pipeline's fill or
+drain with no batch to pass on sends nothing, and its receiver, which knows that from the
+schedule's counters (:meth:`.Schedule.sends_activation`), posts nothing. (An empty message would
+still travel at the link buffer's full size, a whole transfer at the fill and at the end of every
+epoch.) Its receive is posted when the previous one is taken and waited for only where the stage needs it (the
 activation when the iteration starts, the gradient just before the delayed backward), and a send
 is waited for only before its link's buffer is written again (:meth:`Mailbox.send_later`): so an
 activation gradient leaving the last stage after its compute travels behind the next iteration's
@@ -262,8 +265,9 @@ class DecoupledPipeline:
         if self.schedule.forward_locked:
             received = self.down.recv(self.ranks[self.k - 1]) if batch is not None else None
             parcel = received.clone() if received is not None else None
-        else:
-            parcel = self._inboxes["activation"].take()  # the previous iteration's
+        else:  # the previous iteration's; this iteration's receive is posted if stage k - 1 sends
+            fed = self.fed + (batch is not None)
+            parcel = self._inboxes["activation"].take(self.schedule.sends_activation(self.k - 1, self.iteration, fed))
         if parcel is None:
             return None
         inputs, *targets = parcel.tensors  # owned copies: the FIFO keeps the input beyond the next receive
@@ -276,7 +280,9 @@ class DecoupledPipeline:
         if self.schedule.backward_locked:
             gradient = self.up.recv(self.ranks[self.k + 1]) if fed else None  # used before the link's next message
         else:
-            gradient = self._inboxes["gradient"].take()  # waited for here: it travelled behind the forward
+            # waited for here: it travelled behind the forward
+            sent = self.schedule.sends_gradient(self.k + 1, self.iteration, self.fed)
+            gradient = self._inboxes["gradient"].take(sent)
         done = self._backward(gradient, apply) if gradient is not None else None
         self._send_gradient(done)
         return done
@@ -286,9 +292,13 @@ class DecoupledPipeline:
             return
         outgoing = done.outgoing if done is not None else None
         if not self.schedule.backward_locked:
-            self.up.send_later(self.ranks[self.k - 1], outgoing)  # one message per iteration, maybe empty
-        elif outgoing is not None:
+            self._check_lock_step("gradient", outgoing, self.schedule.sends_gradient(self.k, self.iteration, self.fed))
+        if outgoing is None:
+            return
+        if self.schedule.backward_locked:
             self.up.send(self.ranks[self.k - 1], outgoing)
+        else:
+            self.up.send_later(self.ranks[self.k - 1], outgoing)
 
     def _forward_last(self, parcel: Parcel, apply: Apply) -> _Done:
         inputs, *targets = parcel.tensors
@@ -313,9 +323,24 @@ class DecoupledPipeline:
             self.fifo.append(entry)
             activation = Parcel((self._wire(output.detach()), *targets), tag=parcel.tag)
         if not self.schedule.forward_locked:
-            self.down.send_later(self.ranks[self.k + 1], activation)  # one message per iteration, maybe empty
-        elif activation is not None:
+            expected = self.schedule.sends_activation(self.k, self.iteration, self.fed)
+            self._check_lock_step("activation", activation, expected)
+        if activation is None:
+            return
+        if self.schedule.forward_locked:
             self.down.send(self.ranks[self.k + 1], activation)
+        else:
+            self.down.send_later(self.ranks[self.k + 1], activation)
+
+    def _check_lock_step(self, kind: str, parcel: Parcel | None, expected: bool) -> None:
+        """The receiver posts a decoupled message only where the schedule says one comes: ours must agree."""
+        if (parcel is not None) != expected:
+            has = "has" if parcel is not None else "has no"
+            says = "one" if expected else "none"
+            raise RuntimeError(
+                f"DecoupledPipeline: stage {self.k} {has} {kind} to send at iteration {self.iteration} "
+                f"({self.fed} batches fed) where the schedule says {says}: the ranks fell out of lock-step."
+            )
 
     def _backward(self, gradient: Parcel, apply: Apply) -> _Done:
         entry = self.fifo.popleft()

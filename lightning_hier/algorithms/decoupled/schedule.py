@@ -115,6 +115,28 @@ class Schedule:
         hops = self.num_stages - 1 - stage
         return self.forward_lag(stage) + hops * (int(not self.forward_locked) + int(not self.backward_locked))
 
+    def forwards(self, stage: int, iteration: int, fed: int) -> bool:
+        """Whether ``stage`` forwards a batch at ``iteration``, ``fed`` batches having entered stage 0 by then."""
+        self._check(stage)
+        return 0 <= iteration - self.forward_lag(stage) < fed
+
+    def applies(self, stage: int, iteration: int, fed: int) -> bool:
+        """Whether ``stage`` backpropagates and applies a batch's gradient at ``iteration`` (see :meth:`forwards`)."""
+        self._check(stage)
+        return 0 <= iteration - self.update_lag(stage) < fed
+
+    def sends_activation(self, stage: int, iteration: int, fed: int) -> bool:
+        """Whether ``stage`` sends an activation to ``stage + 1`` at ``iteration`` (see :meth:`forwards`).
+
+        Only a batch's activation travels: an iteration of the fill or the drain with none sends no
+        message (both ends know it from these counters, so none is posted either).
+        """
+        return stage < self.num_stages - 1 and self.forwards(stage, iteration, fed)
+
+    def sends_gradient(self, stage: int, iteration: int, fed: int) -> bool:
+        """Whether ``stage`` sends an input gradient to ``stage - 1`` at ``iteration``: when it applies a batch."""
+        return stage > 0 and self.applies(stage, iteration, fed)
+
     @property
     def drain_iterations(self) -> int:
         """Iterations without new input after the last batch until every stage applied it."""
