@@ -12,9 +12,13 @@ Each direction of a boundary is its own connection (the pipeline sends activatio
 gradients on two process groups), carrying one message at a time: a message leaves when it is
 sent and the previous one on the same direction has arrived (the sender waits for that before
 it reuses the link's buffer), and arrives its transfer time later. A locked send is blocking.
+Only a batch's messages travel: a stage with no batch in an iteration (the pipeline's fill and
+drain, :class:`~lightning_hier.algorithms.decoupled.Schedule`'s counters) neither computes nor
+sends there.
 
-The iterations are played from the first; the period is the steady state's: stage 0's mean
-iteration over the last :data:`WINDOW` of :data:`ITERATIONS`. A max-plus system like this one
+An epoch (:func:`epoch_time`) is played from the empty pipeline to the end of its drain. The
+period (:func:`iteration_period`) is the steady state's, of an endless stream of batches: stage 0's
+mean iteration over the last :data:`WINDOW` of :data:`ITERATIONS`. A max-plus system like this one
 becomes periodic after a transient, with a cycle of a few iterations that divides the window, so
 the mean is exact to round-off once the transient is over.
 
@@ -30,9 +34,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-ORDERS = ("forward_first", "backward_first")
+from lightning_hier.algorithms.decoupled.schedule import Schedule
+
 ITERATIONS, WINDOW = 480, 120
-SCHEDULES = ("fdg", "ddg", "sync")
 
 
 @dataclass(frozen=True)
@@ -52,26 +56,78 @@ class StageTimes:
 class _Direction:
     """One connection, one message at a time.
 
-    Message ``i`` leaves when it is sent and message ``i - 1`` has arrived; it arrives
-    ``transfer_s`` later.
+    The message of iteration ``i`` leaves when it is sent and the previous one has arrived; it
+    arrives ``transfer_s`` later. An iteration may send none.
     """
 
     def __init__(self, transfer_s: float, locked: bool) -> None:
         self.transfer_s = transfer_s
         self.locked = locked
-        self.arrivals: list[float] = []
+        self.arrivals: dict[int, float] = {}
+        self._last = 0.0
 
-    def send(self, at: float) -> float:
-        """Send the next message at ``at``; returns when the sender goes on (it first waits for the last one)."""
-        if self.arrivals:
-            at = max(at, self.arrivals[-1])
-        self.arrivals.append(at + self.transfer_s)
-        return self.arrivals[-1] if self.locked else at
+    def send(self, iteration: int, at: float, carries: bool) -> float:
+        """Send the message of ``iteration`` (if it ``carries`` one) at ``at``; returns when the sender goes on."""
+        if not carries:
+            return at
+        at = max(at, self._last)  # the sender first waits for the last message
+        self._last = self.arrivals[iteration] = at + self.transfer_s
+        return self._last if self.locked else at
 
     def ready(self, iteration: int, at: float) -> float:
-        """When a receiver there at ``at`` has the message of ``iteration`` (decoupled: the one before)."""
-        sent = iteration if self.locked else iteration - 1
-        return max(at, self.arrivals[sent]) if sent >= 0 else at
+        """When a receiver there at ``at`` has the message of ``iteration`` (decoupled: the one before), if any."""
+        arrival = self.arrivals.get(iteration if self.locked else iteration - 1)
+        return at if arrival is None else max(at, arrival)
+
+
+class _Pipeline:
+    """The stages' clocks over the iterations of one run of ``batches`` batches (``None``: endless)."""
+
+    def __init__(
+        self,
+        stages: Sequence[StageTimes],
+        activations_s: Sequence[float],
+        gradients_s: Sequence[float],
+        schedule: str,
+        order: str,
+        batches: int | None,
+    ) -> None:
+        self.schedule = Schedule(schedule, len(stages), order)
+        self.k_max = len(stages) - 1
+        if len(activations_s) != self.k_max or len(gradients_s) != self.k_max:
+            raise ValueError(f"pipeline: {len(stages)} stages need {self.k_max} transfer times each way.")
+        self.stages, self.batches = stages, batches
+        self.down = [_Direction(t, schedule != "fdg") for t in activations_s]
+        self.up = [_Direction(t, schedule == "sync") for t in gradients_s]
+        self.ends = [0.0] * len(stages)
+
+    def play(self, i: int) -> None:
+        """Iteration ``i`` on every stage."""
+        fed = i + 1 if self.batches is None else min(i + 1, self.batches)
+        waiting = [k for k in range(self.k_max + 1) if not self._first_phase(k, i, fed)]
+        for k in reversed(waiting):  # the delayed backwards, last stage first (sync needs this iteration's)
+            self.ends[k] = self._backward(k, i, fed, self.ends[k])
+
+    def _first_phase(self, k: int, i: int, fed: int) -> bool:
+        """Stage ``k``'s iteration up to its forward's send; ``True`` if that is the whole iteration."""
+        sch, work = self.schedule, self.stages[k]
+        t = self.down[k - 1].ready(i, self.ends[k]) if k > 0 else self.ends[k]
+        forward = work.forward_s if sch.forwards(k, i, fed) else 0.0
+        if k == self.k_max:
+            self.ends[k] = self.up[k - 1].send(i, t + forward, sch.sends_gradient(k, i, fed)) if k > 0 else t + forward
+            return True
+        if sch.backward_first:
+            t = self._backward(k, i, fed, t)
+            self.ends[k] = self.down[k].send(i, t + forward, sch.sends_activation(k, i, fed))
+            return True
+        self.ends[k] = self.down[k].send(i, t + forward, sch.sends_activation(k, i, fed))
+        return False
+
+    def _backward(self, k: int, i: int, fed: int, t: float) -> float:
+        """Stage ``k``'s delayed backward from ``t`` (it waits for its gradient); returns when it sent its own."""
+        sch = self.schedule
+        t = self.up[k].ready(i, t) + (self.stages[k].backward_s if sch.applies(k, i, fed) else 0.0)
+        return self.up[k - 1].send(i, t, sch.sends_gradient(k, i, fed)) if k > 0 else t
 
 
 def iteration_period(
@@ -81,7 +137,7 @@ def iteration_period(
     schedule: str = "fdg",
     order: str = "forward_first",
 ) -> float:
-    """Steady seconds per iteration of the pipeline.
+    """Steady seconds per iteration of the pipeline, fed an endless stream of batches.
 
     Args:
         stages: Each stage's work, in stage order.
@@ -90,55 +146,34 @@ def iteration_period(
         schedule: ``'fdg'``, ``'ddg'`` or ``'sync'``.
         order: ``'forward_first'`` or ``'backward_first'`` (``fdg`` only).
     """
-    if schedule not in SCHEDULES or order not in ORDERS:
-        raise ValueError(f"iteration_period: schedule {schedule!r} / order {order!r} not in {SCHEDULES} / {ORDERS}.")
-    if order == "backward_first" and schedule != "fdg":
-        raise ValueError(f"iteration_period: order 'backward_first' needs schedule 'fdg', got {schedule!r}.")
-    k_max = len(stages) - 1
-    if len(activations_s) != k_max or len(gradients_s) != k_max:
-        raise ValueError(f"iteration_period: {len(stages)} stages need {k_max} transfer times each way.")
-    down = [_Direction(t, schedule != "fdg") for t in activations_s]
-    up = [_Direction(t, schedule == "sync") for t in gradients_s]
-    ends = [0.0] * len(stages)
+    pipe = _Pipeline(stages, activations_s, gradients_s, schedule, order, None)
     first: list[float] = []  # stage 0's iteration ends
     for i in range(ITERATIONS):
-        waiting = []
-        for k in range(k_max + 1):  # up to each forward's send, first stage first
-            if not _first_phase(k, k_max, order, ends, stages, down, up, i):
-                waiting.append(k)
-        for k in reversed(waiting):  # the delayed backwards, last stage first (sync needs this iteration's)
-            ends[k] = _second_phase(k, ends[k], stages[k], down, up, i)
-        first.append(ends[0])
+        pipe.play(i)
+        first.append(pipe.ends[0])
     return (first[-1] - first[-1 - WINDOW]) / WINDOW
 
 
-def _first_phase(
-    k: int,
-    k_max: int,
-    order: str,
-    ends: list[float],
+def epoch_time(
     stages: Sequence[StageTimes],
-    down: list[_Direction],
-    up: list[_Direction],
-    i: int,
-) -> bool:
-    """Stage ``k``'s iteration up to its forward's send; ``True`` if that is the whole iteration."""
-    t = down[k - 1].ready(i, ends[k]) if k > 0 else ends[k]
-    work = stages[k]
-    if k == k_max:
-        t += work.forward_s
-        ends[k] = up[k - 1].send(t) if k > 0 else t
-        return True
-    if order == "backward_first":
-        t = up[k].ready(i, t) + work.backward_s
-        t = up[k - 1].send(t) if k > 0 else t
-        ends[k] = down[k].send(t + work.forward_s)
-        return True
-    ends[k] = down[k].send(t + work.forward_s)
-    return False
+    activations_s: Sequence[float],
+    gradients_s: Sequence[float],
+    batches: int,
+    schedule: str = "fdg",
+    order: str = "forward_first",
+) -> float:
+    """Seconds of an epoch of ``batches`` batches: from the empty pipeline to the last stage's end of its drain.
 
-
-def _second_phase(k: int, t: float, work: StageTimes, down: list[_Direction], up: list[_Direction], i: int) -> float:
-    """The delayed backward of stage ``k`` (forward first) from ``t``; returns when its iteration ends."""
-    t = up[k].ready(i, t) + work.backward_s
-    return up[k - 1].send(t) if k > 0 else t
+    Its fill and drain iterations do only the work and send only the messages of the batches they
+    hold. Beyond :data:`ITERATIONS` batches the steady state repeats, so the batches after those
+    add :func:`iteration_period` each. Arguments as :func:`iteration_period`.
+    """
+    if batches < 1:
+        raise ValueError(f"epoch_time: `batches` must be >= 1, got {batches}.")
+    played = min(batches, ITERATIONS)
+    pipe = _Pipeline(stages, activations_s, gradients_s, schedule, order, played)
+    for i in range(played + pipe.schedule.drain_iterations):
+        pipe.play(i)
+    rest = batches - played
+    steady = iteration_period(stages, activations_s, gradients_s, schedule, order) if rest else 0.0
+    return max(pipe.ends) + rest * steady

@@ -48,11 +48,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from lightning_hier.algorithms.decoupled.schedule import Schedule
 from lightning_hier.planner.cost import Layer, inference_cost, network_cost
 from lightning_hier.simulator.collectives import NONE, Comm, all_reduce, broadcast, overlapped, p2p
 from lightning_hier.simulator.inputs import Cluster, Workload, split_blocks
 from lightning_hier.simulator.jitter import sync_wait
-from lightning_hier.simulator.pipeline import StageTimes, iteration_period
+from lightning_hier.simulator.pipeline import StageTimes, epoch_time, iteration_period
 from lightning_hier.simulator.prediction import FLOAT64, Prediction, batch_shares, compute_s, steps_per_epoch
 
 MiB = 2**20
@@ -305,7 +306,10 @@ def decoupled(
     order: str = "forward_first",
     wire_dtype: str | None = None,
 ) -> Prediction:
-    """The N x K decoupled pipeline: lock-step iterations, played out by :func:`~.pipeline.iteration_period`.
+    """The N x K decoupled pipeline: an epoch of lock-step iterations, played out by :func:`~.pipeline.epoch_time`.
+
+    ``step_s`` is the epoch's mean iteration, its fill and drain included (``detail['period_s']``:
+    the steady iteration of a long epoch), and the bytes are the epoch's mean per iteration.
 
     ``wire_dtype='bf16'`` sends activations and their gradients as 2-byte words (the labels stay
     int64). A stage's forward is the workload's measured forward share of its blocks' compute.
@@ -342,10 +346,14 @@ def decoupled(
         times.append(StageTimes(forward, 0.0 if last else (1 - forward_share) * busy + reduce.time_s))
         compute.append(work)
         wire, payload = wire + (sent + reduce).wire_bytes, payload + (sent + reduce).payload_bytes
-    period = iteration_period(times, [c.time_s for c in activations], [c.time_s for c in gradients], schedule, order)
+    links = ([c.time_s for c in activations], [c.time_s for c in gradients])
+    batches, plan = int(steps_per_epoch(workload, replicas)), Schedule(schedule, pipe, order)
+    iterations = batches + plan.drain_iterations
+    epoch = epoch_time(times, *links, batches, schedule, order)
     # every iteration's activations, gradients and reductions tie each worker to its neighbours
-    step = period + sync_wait(cluster, 1)
-    drain = {"fdg": 2 * (pipe - 1), "ddg": pipe - 1, "sync": 0}[schedule]
+    step = epoch / iterations + sync_wait(cluster, 1)
+    # only the batches' messages and updates travel: the fill's and the drain's iterations send none
+    wire, payload = wire * batches / iterations, payload * batches / iterations
     arguments = {"pipe": pipe, "schedule": schedule, "order": order}
     if wire_dtype:
         arguments["wire_dtype"] = wire_dtype
@@ -355,15 +363,16 @@ def decoupled(
         cluster.workers,
         step_s=step,
         samples_per_step=b * replicas,
-        steps_per_epoch=steps_per_epoch(workload, replicas) + drain,
+        steps_per_epoch=iterations,
         wire_bytes=wire / pipe,
         payload_bytes=payload / pipe,
         blocked_s=step - min(compute),
-        staleness=float(drain),
+        staleness=float(plan.staleness(0)),
         detail={
             "stage_s": [t.forward_s + t.backward_s for t in times],
             "stage_blocks": [len(s) for s in stages],
-            "drain": drain,
+            "drain": plan.drain_iterations,
+            "period_s": iteration_period(times, *links, schedule, order),
         },
     )
 

@@ -149,19 +149,23 @@ def test_decoupled_pipeline_runs_at_its_slowest_stage():
         "p", params=300, batch_size=16, samples_per_epoch=16 * 10, forward_s=0.0, backward_s=4e-3, blocks=blocks
     )
     p = predict("decoupled", w, Cluster(2, FREE), pipe=2)
-    assert p.step_s == pytest.approx(16 * 2e-3)  # stages [block 0] and [blocks 1, 2]
+    assert p.detail["period_s"] == pytest.approx(16 * 2e-3)  # stages [block 0] and [blocks 1, 2]
+    # the epoch's 10 batches and its drain: stage 1 waits for batch 0, stage 0 for the last gradient
+    assert 10 * 16 * 2e-3 < p.epoch_s < 12 * 16 * 2e-3
     assert p.staleness == 2 and p.steps_per_epoch == 10 + 2
     sync = predict("decoupled", w, Cluster(2, FREE), pipe=2, schedule="sync")
     assert sync.step_s == pytest.approx(16 * 4e-3)
-    assert p.payload_bytes == pytest.approx((16 * 50 * 4 + 16 * 8 + 16 * 50 * 4) / 2)  # activations+labels, gradients
+    # activations + labels and gradients, one of each per batch (none in the fill or the drain)
+    per_batch = (16 * 50 * 4 + 16 * 8 + 16 * 50 * 4) / 2
+    assert p.payload_bytes_per_epoch == pytest.approx(10 * per_batch)
     # a slow link: the activations (+ int64 labels) and gradients each take their own direction; a
     # round trip spans 3 iterations with the forward first, 2 with the backward first
     slow = Cluster(2, Link(alpha=0.0, beta=4e-5))  # 1e-5 s per byte
     trip = 2 * 16 * 2e-3 + (16 * 50 * 4 + 16 * 8) * 1e-5 + 16 * 50 * 4 * 1e-5  # [block 0] | [blocks 1, 2]
-    assert predict("decoupled", w, slow, pipe=2).step_s == pytest.approx(trip / 3)
-    assert predict("decoupled", w, slow, pipe=2, order="backward_first").step_s == pytest.approx(trip / 2)
+    assert predict("decoupled", w, slow, pipe=2).detail["period_s"] == pytest.approx(trip / 3)
+    assert predict("decoupled", w, slow, pipe=2, order="backward_first").detail["period_s"] == pytest.approx(trip / 2)
     bf16 = predict("decoupled", w, Cluster(2, FREE), pipe=2, wire_dtype="bf16")  # 2-byte activations, int64 labels
-    assert bf16.payload_bytes == pytest.approx((16 * 50 * 2 + 16 * 8 + 16 * 50 * 2) / 2)
+    assert bf16.payload_bytes_per_epoch == pytest.approx(10 * (16 * 50 * 2 + 16 * 8 + 16 * 50 * 2) / 2)
     with pytest.raises(ValueError, match=r"decoupled: `wire_dtype` must be None or 'bf16', got 'fp8'"):
         predict("decoupled", w, Cluster(2, FREE), wire_dtype="fp8")
 

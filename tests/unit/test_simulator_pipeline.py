@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from lightning_hier.simulator.pipeline import StageTimes, iteration_period
+from lightning_hier.simulator.pipeline import ITERATIONS, StageTimes, epoch_time, iteration_period
 
 # Two stages, C_k a stage's compute, L_a / L_g the activation's / gradient's transfer. Stage 1
 # sends the gradient C_1 after it took the activation; stage 0 waits for it:
@@ -47,9 +47,40 @@ def test_a_link_slower_than_every_stage_paces_the_pipeline() -> None:
 
 def test_bad_arguments_are_named() -> None:
     two = [StageTimes(0.1, 0.1), StageTimes(0.1)]
-    with pytest.raises(ValueError, match=r"schedule 'gpipe'"):
+    with pytest.raises(ValueError, match=r"`name` must be one of 'fdg', 'ddg', 'sync', got 'gpipe'"):
         iteration_period(two, [0.1], [0.1], "gpipe")
-    with pytest.raises(ValueError, match=r"order 'backward_first' needs schedule 'fdg', got 'sync'"):
+    with pytest.raises(ValueError, match=r"order='backward_first' \(FDG's order\) needs schedule 'fdg', got 'sync'"):
         iteration_period(two, [0.1], [0.1], "sync", "backward_first")
     with pytest.raises(ValueError, match=r"2 stages need 1 transfer times each way"):
         iteration_period(two, [0.1, 0.1], [0.1])
+
+
+@pytest.mark.parametrize("batches", [1, 5, 40])
+def test_a_locked_pipeline_runs_its_epoch_one_batch_at_a_time(batches: int) -> None:
+    """sync has no fill or drain: every batch crosses both stages and both links in its own iteration."""
+    stages = [StageTimes(0.1, 0.2), StageTimes(0.3)]
+    assert epoch_time(stages, [0.05], [0.07], batches, "sync") == pytest.approx(batches * 0.72)
+
+
+def test_one_stage_is_its_compute() -> None:
+    assert epoch_time([StageTimes(0.25)], [], [], 12) == pytest.approx(3.0)
+
+
+@pytest.mark.parametrize("batches", [1, 3, 12])
+def test_on_a_slow_link_the_epoch_is_its_messages_and_the_last_gradient(batches: int) -> None:
+    """Links of L, compute negligible: activation ``b`` arrives at ``(b + 1) L``, its gradient leaves then and
+    arrives one ``L`` later; no message travels in the fill or the drain, so the epoch is ``(B + 1) L``
+    (a steady iteration of ``L`` over the ``B + 2`` iterations would give ``(B + 2) L``)."""
+    eps, link = 1e-9, 0.5
+    stages = [StageTimes(eps, eps), StageTimes(eps)]
+    assert epoch_time(stages, [link], [link], batches) == pytest.approx((batches + 1) * link, abs=1e-6)
+
+
+@pytest.mark.parametrize(("schedule", "order"), list(CLOSED_FORMS))
+def test_each_further_batch_adds_one_steady_iteration(schedule: str, order: str) -> None:
+    stages = [StageTimes(0.12, 0.08), StageTimes(0.1, 0.05), StageTimes(0.17)]
+    args = (stages, [0.3, 0.02], [0.01, 0.25])
+    added = (epoch_time(*args, 300, schedule, order) - epoch_time(*args, 200, schedule, order)) / 100
+    assert added == pytest.approx(iteration_period(*args, schedule, order), rel=1e-9)
+    beyond = epoch_time(*args, 2 * ITERATIONS, schedule, order) - epoch_time(*args, ITERATIONS, schedule, order)
+    assert beyond / ITERATIONS == pytest.approx(added, rel=1e-9)
