@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import functools
+import itertools
 import json
 import os
 import pstats
@@ -63,6 +64,9 @@ class StepProfile(Callback):
         self._usage = resource.getrusage(resource.RUSAGE_SELF)
         self._t0 = 0.0
         self._pipeline = False  # a pipeline stage: its training step is timed by its wrapped methods
+        self.starts: list[float] = []  # each batch's start, seconds after the fit's
+        self._val_start_s: float | None = None  # the first validation after training began
+        self.calls: list[tuple[str, float, float]] = []  # each wrapped call: part, start, end (fit seconds)
 
     def _add(self, part: str, seconds: float) -> None:
         self._step_parts[part] += seconds * 1e3
@@ -74,7 +78,9 @@ class StepProfile(Callback):
             try:
                 return fn(*args, **kwargs)
             finally:
-                self._add(part, time.perf_counter() - start)
+                end = time.perf_counter()
+                self._add(part, end - start)
+                self.calls.append((part, start - self._t0, end - self._t0))
 
         return wrapper
 
@@ -112,6 +118,7 @@ class StepProfile(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         now, cpu = time.perf_counter(), time.thread_time()
+        self.starts.append(now - self._t0)
         if self._batch_start is not None and self._batch_end is not None:
             self._add("lightning", now - self._batch_end)
             self._add("step", now - self._batch_start)
@@ -145,13 +152,24 @@ class StepProfile(Callback):
             self._add("update", self._since("update"))
         self._batch_end, self._cpu_end = time.perf_counter(), time.thread_time()
 
+    def _folded(self) -> dict[str, float]:
+        """The open step's parts; on the last stage its backward is what ``_forward_last`` spent beyond
+        its forward and update (it runs forward, loss, backward and update at once)."""
+        parts = dict(self._step_parts)
+        if "forward_last" in parts:
+            parts["backward"] = parts.get("backward", 0.0) + parts.pop("forward_last") - parts["forward"]
+            parts["backward"] -= parts.get("update", 0.0)
+        return parts
+
     def _close_step(self) -> None:
-        parts = self._step_parts
-        if "forward_last" in parts:  # the last stage: forward, loss and backward, then update
-            parts["backward"] += parts.pop("forward_last") - parts["forward"] - parts["update"]
-        for part, ms in parts.items():
+        for part, ms in self._folded().items():
             self.parts[part].append(ms)
         self._step_parts = defaultdict(float)
+
+    @override
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._val_start_s is None and self.starts:
+            self._val_start_s = time.perf_counter() - self._t0
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -168,6 +186,14 @@ class StepProfile(Callback):
             "threads": torch.get_num_threads(),
             "interop_threads": torch.get_num_interop_threads(),
             "median_ms": medians,
+            # the fit's edges, which the medians leave out: its start to the first batch, every batch's
+            # start, the last batch's end and the fit's end (seconds after the fit's start)
+            "starts_s": self.starts,
+            "last_end_s": (self._batch_end or self._t0) - self._t0,
+            "wall_s": wall,
+            "val_start_s": self._val_start_s,
+            "last_ms": self._folded(),  # the last batch's parts (its drain included), never closed
+            "calls": self.calls,
             "cpu_share": cpu,
         }
         print(MARK + json.dumps(info), flush=True)
@@ -272,6 +298,31 @@ def table(results: list[tuple[str, list[dict[str, Any]]]]) -> str:
     return "\n".join(lines)
 
 
+def edges(results: list[tuple[str, list[dict[str, Any]]]]) -> str:
+    """Markdown: where each rank's fit went outside its steady steps (milliseconds): from the fit's start
+    to the first batch, the first :data:`WARMUP` steps, the median of the rest, the last batch (its
+    drain included, and its parts), from its end to the first validation and from there to the fit's end."""
+    lines = [
+        "| run | rank | to first batch | first steps | median step | last batch | its parts | to validation "
+        "| validation to fit end | fit |"
+    ]
+    lines.append("|---" * 10 + "|")
+    for label, ranks in results:
+        for p in ranks:
+            starts, end, wall = p["starts_s"], p["last_end_s"], p["wall_s"]
+            steps = [1e3 * (b - a) for a, b in itertools.pairwise(starts)]
+            first = ", ".join(f"{ms:.0f}" for ms in steps[:WARMUP])
+            rest = statistics.median(steps[WARMUP:] or steps or [0.0])
+            val = p["val_start_s"] if p["val_start_s"] is not None else wall
+            parts = ", ".join(f"{k} {ms:.0f}" for k, ms in sorted(p["last_ms"].items()) if "cpu" not in k)
+            lines.append(
+                f"| {label} | {p['rank']} | {1e3 * starts[0]:.0f} | {first} | {rest:.0f} "
+                f"| {1e3 * (end - starts[-1]):.0f} | {parts} | {1e3 * (val - end):.0f} | {1e3 * (wall - val):.0f} "
+                f"| {1e3 * wall:.0f} |"
+            )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.studies.stage_profile", description=__doc__.split("\n")[0])
     p.add_argument("--images", type=int, default=2560, help="training images (one epoch; global batch 256)")
@@ -285,6 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     results = profile_runs(args)
     print(table(results))
+    print(edges(results))
     print(json.dumps(results))
     return 0
 
