@@ -40,14 +40,6 @@ def with_consensus(p: Prediction, cluster: Cluster, run: dict[str, Any]) -> Pred
     return replace(p, step_s=step_s, detail={**p.detail, "consensus_s": consensus_s})
 
 
-def with_drain(p: Prediction) -> Prediction:
-    """The pipeline over its epoch: its ``drain`` iterations (filling and emptying the stages, in
-    the model's ``steps_per_epoch``) train no new samples, so the epoch's mean time per trained
-    step is ``epoch_s / (steps_per_epoch - drain)`` (the run's steps count trained batches)."""
-    trained = p.steps_per_epoch - p.detail["drain"]
-    return replace(p, step_s=p.epoch_s / trained) if trained > 0 else p
-
-
 REBALANCED = ("dbs", "dbs_async")
 """DBS's strategies: their first ``warmup_steps + rebalance_every`` steps keep the initial batch sizes."""
 

@@ -38,8 +38,9 @@ Calibration, all from the same invocation (nothing is fitted to the run being pr
 The pipeline and the grid need the network's structure: per-block costs (their shares from the
 simulator's preset of the same network, found by its tensor sizes, rescaled to the calibrated
 compute) and the layer list (built from the preset's model spec). The pipeline's prediction covers
-its epoch, drain included (:func:`with_drain`). Runs the model does not cover print ``-``: DDP's
-communication-hook peers, and pipeline or grid runs of a network without a preset.
+its epoch, fill and drain included (:func:`~lightning_hier.simulator.pipeline.epoch_time`). Runs
+the model does not cover print ``-``: DDP's communication-hook peers, and pipeline or grid runs of
+a network without a preset.
 """
 
 from __future__ import annotations
@@ -58,7 +59,6 @@ from benchmarks.fit_model import (
     validation_bytes,
     validation_forward_bytes,
     with_consensus,
-    with_drain,
     with_final_reports,
     with_warmup,
     with_whole_rounds,
@@ -205,8 +205,8 @@ def predict_run(label: str, run: dict[str, Any], result: dict[str, Any], world: 
         return None
     args = {} if strategy == "no-comm" else {**_arguments(strategy, config), **structure}
     steady = predict(strategy, workload, cluster, **args)
-    if strategy == "decoupled":
-        return with_drain(steady)
+    if strategy == "decoupled":  # the model plays the run's epoch, its fill and drain included
+        return steady
     fit = with_warmup(steady, workload, cluster, run) if strategy in REBALANCED else steady
     fit = with_final_reports(with_whole_rounds(fit, max(compute_s(workload, cluster)), run), run)
     return fit if strategy == "no-comm" else with_consensus(fit, cluster, run)

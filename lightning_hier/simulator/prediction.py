@@ -21,7 +21,8 @@ class Prediction:
         args: The strategy's arguments that the prediction used.
         workers: Ranks.
         step_s: Seconds per optimizer step (iteration, for the pipeline).
-        samples_per_step: Training samples all replicas consume per step.
+        samples_per_step: Training samples all replicas consume per step (the pipeline: per iteration,
+            the epoch's mean, its fill and drain included).
         steps_per_epoch: Steps of one epoch (the pipeline's drain included).
         wire_bytes: Bytes each worker sends per step (mean over workers).
         payload_bytes: Bytes each worker hands to collectives per step (what ``CommStats`` counts).

@@ -308,8 +308,10 @@ def decoupled(
 ) -> Prediction:
     """The N x K decoupled pipeline: an epoch of lock-step iterations, played out by :func:`~.pipeline.epoch_time`.
 
-    ``step_s`` is the epoch's mean iteration, its fill and drain included (``detail['period_s']``:
-    the steady iteration of a long epoch), and the bytes are the epoch's mean per iteration.
+    Per step means per iteration, over an epoch of ``steps_per_epoch`` iterations: its batches and
+    its drain. ``step_s`` is the epoch's mean iteration (``detail['period_s']``: the steady one of
+    a long epoch); the samples and bytes per step are the epoch's over its iterations, so
+    ``samples_per_s`` is the epoch's trained samples over its time.
 
     ``wire_dtype='bf16'`` sends activations and their gradients as 2-byte words (the labels stay
     int64). A stage's forward is the workload's measured forward share of its blocks' compute.
@@ -362,7 +364,7 @@ def decoupled(
         arguments,
         cluster.workers,
         step_s=step,
-        samples_per_step=b * replicas,
+        samples_per_step=b * replicas * batches / iterations,
         steps_per_epoch=iterations,
         wire_bytes=wire / pipe,
         payload_bytes=payload / pipe,

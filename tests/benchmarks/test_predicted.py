@@ -155,11 +155,12 @@ def _structured_result(net, strategy: str, config: dict, batch: int) -> dict:
 def test_the_pipeline_is_predicted_from_the_presets_blocks_over_its_epoch_drain_included():
     result = _structured_result(small_cnn((3, 32, 32), 10), "decoupled", {"stages": 2, "schedule": "fdg"}, 256)
     p = predict_run("decoupled", result["runs"]["decoupled"], result, world=2)
-    assert p is not None and p.args["pipe"] == 2 and p.samples_per_step == 256  # one replica of 2 stages
-    # the epoch: 24 trained iterations and a drain of 2 (K - 1) = 2, on the clock of the 24; the fill's
-    # and the drain's iterations hold fewer batches than a steady one, so they take less than its time
+    assert p is not None and p.args["pipe"] == 2  # one replica of 2 stages
+    # the epoch: 24 batches of 256 and a drain of 2 (K - 1) = 2 iterations; the fill's and the
+    # drain's iterations hold fewer batches than a steady one, so they take less than its time
     assert p.detail["drain"] == 2 and p.steps_per_epoch == 26
-    assert max(p.detail["stage_s"]) < p.step_s < 26 * max(p.detail["stage_s"]) / 24
+    assert p.samples_per_step * p.steps_per_epoch == pytest.approx(24 * 256)
+    assert 24 * max(p.detail["stage_s"]) < p.epoch_s < 26 * max(p.detail["stage_s"])
     run = result["runs"]["decoupled"]
     run.update(bytes_per_epoch=1.0, payload_bytes=[26 * p.payload_bytes] * 2, samples_per_s=1.0)
     row = next(line for line in predicted_table(result, world=2).splitlines() if line.startswith("| decoupled |"))
