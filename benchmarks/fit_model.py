@@ -28,14 +28,14 @@ def with_consensus(p: Prediction, cluster: Cluster, run: dict[str, Any]) -> Pred
 
     The Recorder keeps that consensus on the training clock (the strategy builds it after the
     validation hook), and the calibration already leaves the ``no-comm`` run's own out. It is one
-    transfer of the model per epoch, blocking: its wire bytes at the link's rate, or at gloo's CPU
-    cost per byte where that is slower. At 100 Mbit/s the MLP's 21 MB take 1.8 s, a fifth of a
+    transfer of the model per epoch, blocking: its wire bytes at the link's rate, or at a blocking
+    collective's own CPU cost per byte where that is slower. At 100 Mbit/s the MLP's 21 MB take 1.8 s, a fifth of a
     16-step run.
     """
     _, wire = validation_bytes(p, run)
     if not wire or not run.get("steps"):
         return p
-    consensus_s = wire * max(cluster.byte_s, cluster.cpu_s_per_byte)
+    consensus_s = wire * max(cluster.byte_s, cluster.collective_s_per_byte)
     step_s = p.step_s + run["epochs"] * consensus_s / mean_steps(run)
     return replace(p, step_s=step_s, detail={**p.detail, "consensus_s": consensus_s})
 

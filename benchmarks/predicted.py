@@ -18,8 +18,10 @@ Calibration, all from the same invocation (nothing is fitted to the run being pr
   over the ranks; the straggler's factor divides it back too). On a shared machine other processes
   take the ranks' cores now and then, and every synchronous strategy waits for the slower rank at
   each synchronisation; results recorded before it was measured predict with none;
-- :data:`CPU_S_PER_BYTE`: gloo's reduction and copies on the rank's one core, fitted once on
-  ``hpsgd_mlp`` (HPSGD, window 4, 1 Gbit/s) and kept for every run;
+- :data:`CPU_S_PER_BYTE`: what gloo's reduction and copies take from the compute they overlap on
+  the rank's one core, fitted once on ``hpsgd_mlp`` (HPSGD, window 4, 1 Gbit/s) and kept for every
+  run; :data:`COLLECTIVE_S_PER_BYTE`: a blocking collective's own CPU time per byte, measured with
+  the link probe (a floor that no benchmark link reaches);
 - each epoch's validation consensus (HPSGD, the averaging family when the epoch does not end on a
   round, the parameter servers) is on the training clock, so its time joins the fit's
   (:func:`with_consensus`);
@@ -72,6 +74,10 @@ from lightning_hier.simulator.registry import MODELS
 EFFICIENCY = 0.944
 UNLIMITED_BITS = 7.9e9
 CPU_S_PER_BYTE = 3e-9
+COLLECTIVE_S_PER_BYTE = 0.85e-9
+"""A blocking all-reduce alone, per byte sent: 26.2 MB in 20.7-24.2 ms on 2026-11-28 (``python -m
+benchmarks.link_probe --link unlimited --mb 26.2``, and a plain-torch loop's 25 MiB all-reduce);
+below the unlimited link's 1.0 ns, so no benchmark collective is bound by it."""
 HEADERS = 0.002  # TCP/IP headers: veth offloads segmentation, so segments are ~64 KB
 NO_COMM = "no-comm"
 
@@ -79,7 +85,15 @@ NO_COMM = "no-comm"
 def _cluster(link: str, world: int, straggler: dict[str, Any] | None, jitter_s: float) -> Cluster:
     rate = parse_link(link, efficiency=EFFICIENCY) if link != "unlimited" else parse_link(f"{UNLIMITED_BITS / 1e9}gbit")
     speeds = one_straggler(world, float(straggler["factor"])) if straggler else ()
-    return Cluster(world, rate, "ring", speeds, cpu_s_per_byte=CPU_S_PER_BYTE, jitter_s=jitter_s)
+    return Cluster(
+        world,
+        rate,
+        "ring",
+        speeds,
+        cpu_s_per_byte=CPU_S_PER_BYTE,
+        jitter_s=jitter_s,
+        collective_s_per_byte=COLLECTIVE_S_PER_BYTE,
+    )
 
 
 def _reference_rounds_s(reference: dict[str, Any], cluster: Cluster) -> float:

@@ -115,7 +115,14 @@ def _cluster(args: argparse.Namespace) -> Cluster:
         link = parse_link(args.link, alpha=args.alpha, efficiency=args.efficiency)
     if args.jitter < 0:
         raise SystemExit(f"simulator: `--jitter` must be >= 0 seconds, got {args.jitter!r}.")
-    return Cluster(2, link, args.algorithm, cpu_s_per_byte=args.cpu_s_per_byte, jitter_s=args.jitter)
+    return Cluster(
+        2,
+        link,
+        args.algorithm,
+        cpu_s_per_byte=args.cpu_s_per_byte,
+        jitter_s=args.jitter,
+        collective_s_per_byte=args.collective_s_per_byte,
+    )
 
 
 def _predict(args: argparse.Namespace) -> int:
@@ -179,6 +186,9 @@ def _parser() -> argparse.ArgumentParser:
     pred.add_argument("--efficiency", type=float, default=1.0, help="fraction of the nominal rate reached")
     pred.add_argument("--algorithm", choices=ALGORITHMS, default="ring")
     pred.add_argument("--cpu-s-per-byte", type=float, default=0.0, help="compute lost per byte sent while computing")
+    pred.add_argument(
+        "--collective-s-per-byte", type=float, default=0.0, help="a collective's own CPU time per byte sent (a floor)"
+    )
     pred.add_argument(
         "--jitter",
         type=float,

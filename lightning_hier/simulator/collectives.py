@@ -21,8 +21,8 @@ h/d is recursive halving and doubling (Rabenseifner), the planner's all-reduce. 
 all-reduce is a binomial reduce then broadcast: every worker but the root sends ``n`` once in
 each, ``2 (p-1)/p n`` on average. ``payload`` is what
 :class:`~lightning_hier.comm.CommStats` counts for the call (the tensor's bytes, whatever the
-algorithm sends). With ``cpu_s_per_byte > 0`` a collective lasts at least the CPU time of the
-bytes it sends (:func:`sent`).
+algorithm sends). With ``collective_s_per_byte > 0`` a collective lasts at least the CPU time of
+the bytes it sends (:func:`sent`).
 """
 
 from __future__ import annotations
@@ -61,12 +61,13 @@ NONE = Comm()
 def sent(network_s: float, wire_bytes: float, payload_bytes: float, cluster: Cluster) -> Comm:
     """One collective that takes ``network_s`` on the link and sends ``wire_bytes`` per worker.
 
-    Its time is the longer of the link's and the cores': gloo copies and reduces every byte it
-    sends on the rank's own cores (``cpu_s_per_byte``), pipelined with the transfer, so on a fast
-    link a blocking collective is CPU-bound (about 3 ns/byte on the benchmark's cores: 21 MB take
-    63 ms, as long as the link's 21 ms at 7.9 Gbit/s three times over).
+    Its time is the longer of the link's and the cores' (``collective_s_per_byte``: gloo copies and
+    reduces every byte it sends, pipelined with the transfer). On the benchmark's cores a blocking
+    all-reduce alone runs at 0.8-0.9 ns per byte sent, faster than the unlimited link's 1.0 ns, so
+    there the link bounds it. What a collective costs the compute it overlaps is another number,
+    ``cpu_s_per_byte`` (:func:`overlapped`).
     """
-    return Comm(max(network_s, cluster.cpu_s_per_byte * wire_bytes), wire_bytes, payload_bytes, 1)
+    return Comm(max(network_s, cluster.collective_s_per_byte * wire_bytes), wire_bytes, payload_bytes, 1)
 
 
 def _lg(p: int) -> int:

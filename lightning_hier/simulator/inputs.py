@@ -131,6 +131,9 @@ class Cluster:
         speeds: Relative speed per worker (``len == workers``); empty: all 1.
         cpu_s_per_byte: Compute time a worker loses per byte it sends while computing (gloo on a
             CPU reduces and copies on the compute cores; about 0 for NCCL on a GPU).
+        collective_s_per_byte: The fastest a collective alone moves a byte it sends, whatever the
+            link (its copies and reductions on otherwise idle cores): a floor on every collective's
+            time (0: the link alone bounds it).
         word_bytes: Bytes per word of ``link.beta``.
     """
 
@@ -140,6 +143,7 @@ class Cluster:
     speeds: tuple[float, ...] = ()
     cpu_s_per_byte: float = 0.0
     jitter_s: float = 0.0
+    collective_s_per_byte: float = 0.0
     word_bytes: int = 4
 
     def __post_init__(self) -> None:
@@ -153,9 +157,11 @@ class Cluster:
             raise ValueError(f"Cluster: every speed must be > 0, got {self.speeds!r}.")
         if not self.jitter_s >= 0:
             raise ValueError(f"Cluster: `jitter_s` must be >= 0 seconds, got {self.jitter_s!r}.")
-        if self.link.alpha < 0 or self.link.beta < 0 or self.cpu_s_per_byte < 0:
+        rates = (self.link.alpha, self.link.beta, self.cpu_s_per_byte, self.collective_s_per_byte)
+        if min(rates) < 0:
             raise ValueError(
-                f"Cluster: alpha, beta and cpu_s_per_byte must be >= 0, got {self.link} {self.cpu_s_per_byte}."
+                "Cluster: alpha, beta, cpu_s_per_byte and collective_s_per_byte must be >= 0, got "
+                f"{self.link} {self.cpu_s_per_byte} {self.collective_s_per_byte}."
             )
 
     @property

@@ -181,16 +181,21 @@ def test_bad_input_names_the_argument():
 
 
 def test_a_blocking_collective_lasts_at_least_the_cpu_time_of_its_bytes():
-    """gloo touches every byte it sends on the rank's core: 4 MB over 2 ranks sends 4 MB per rank,
-    3 ns/byte is 12 ms, three times the link's 4 ms at 1 GB/s; on a slow link the link's time rules."""
-    fast = Cluster(2, Link(alpha=0.0, beta=4 * BYTE_S), cpu_s_per_byte=3e-9)
+    """gloo touches every byte it sends: 4 MB over 2 ranks sends 4 MB per rank, 3 ns/byte is 12 ms,
+    three times the link's 4 ms at 1 GB/s; on a slow link the link's time rules. The compute's
+    charge for overlapped bytes (``cpu_s_per_byte``) is another number and sets no floor."""
+    fast = Cluster(2, Link(alpha=0.0, beta=4 * BYTE_S), collective_s_per_byte=3e-9)
     assert all_reduce(4e6, 2, fast).time_s == pytest.approx(3e-9 * 4e6)
     assert p2p(1e6, fast).time_s == pytest.approx(3e-9 * 1e6)
-    slow = Cluster(2, Link(alpha=0.0, beta=4 * 100 * BYTE_S), cpu_s_per_byte=3e-9)  # 10 MB/s
+    slow = Cluster(2, Link(alpha=0.0, beta=4 * 100 * BYTE_S), collective_s_per_byte=3e-9)  # 10 MB/s
     assert all_reduce(4e6, 2, slow).time_s == pytest.approx(4e6 * 100 * BYTE_S)
+    charged = Cluster(2, Link(alpha=0.0, beta=4 * BYTE_S), cpu_s_per_byte=3e-9)
+    assert all_reduce(4e6, 2, charged).time_s == pytest.approx(4e6 * BYTE_S)
     # Local SGD's blocking round pays it in full; DDP's last bucket too
     w = _workload(0.0, 0.0, 0.0)
     assert predict("localsgd", w, fast, tau=1).step_s == pytest.approx(3e-9 * (4e6 + 8))
+    with pytest.raises(ValueError, match=r"collective_s_per_byte must be >= 0"):
+        Cluster(2, LINK, collective_s_per_byte=-1.0)
 
 
 def test_ddp_buckets_hold_whole_tensors_in_reverse_order():
