@@ -20,12 +20,13 @@ carries at most one message per iteration, one per batch: an iteration of the pi
 drain with no batch to pass on sends nothing, and its receiver, which knows that from the
 schedule's counters (:meth:`.Schedule.sends_activation`), posts nothing. (An empty message would
 still travel at the link buffer's full size, a whole transfer at the fill and at the end of every
-epoch.) Its receive is posted when the previous one is taken and waited for only where the stage needs it (the
-activation when the iteration starts, the gradient just before the delayed backward), and a send
-is waited for only before its link's buffer is written again (:meth:`Mailbox.send_later`): so an
-activation gradient leaving the last stage after its compute travels behind the next iteration's
-forward on both ends. A locked direction is a blocking send/receive within the iteration.
-Evaluation uses mailboxes with their own tag, so it can run while training receives are posted.
+epoch.) Its receive is posted when the previous one is taken and waited for only where the stage
+needs it (the activation when the iteration starts, the gradient just before the delayed
+backward), and a send is waited for only before its link's buffer is written again
+(:meth:`Mailbox.send_later`): so an activation gradient leaving the last stage after its compute
+travels behind the next iteration's forward on both ends. A locked direction is a blocking
+send/receive within the iteration. Evaluation uses mailboxes with their own tag, so it can run
+while training receives are posted.
 
 No update happens on a stage before its first gradient arrives, so momentum and weight decay do
 not move weights during the warm-up. :meth:`drain` runs the iterations without new input that
