@@ -97,8 +97,8 @@ class _Pipeline:
         if len(activations_s) != self.k_max or len(gradients_s) != self.k_max:
             raise ValueError(f"pipeline: {len(stages)} stages need {self.k_max} transfer times each way.")
         self.stages, self.batches = stages, batches
-        self.down = [_Direction(t, schedule != "fdg") for t in activations_s]
-        self.up = [_Direction(t, schedule == "sync") for t in gradients_s]
+        self.down = [_Direction(t, self.schedule.forward_locked) for t in activations_s]
+        self.up = [_Direction(t, self.schedule.backward_locked) for t in gradients_s]
         self.ends = [0.0] * len(stages)
 
     def play(self, i: int) -> None:
@@ -161,12 +161,14 @@ def epoch_time(
     batches: int,
     schedule: str = "fdg",
     order: str = "forward_first",
+    period_s: float | None = None,
 ) -> float:
     """Seconds of an epoch of ``batches`` batches: from the empty pipeline to the last stage's end of its drain.
 
     Its fill and drain iterations do only the work and send only the messages of the batches they
     hold. Beyond :data:`ITERATIONS` batches the steady state repeats, so the batches after those
-    add :func:`iteration_period` each. Arguments as :func:`iteration_period`.
+    add :func:`iteration_period` each (``period_s``, if the caller has it already). Other arguments
+    as :func:`iteration_period`.
     """
     if batches < 1:
         raise ValueError(f"epoch_time: `batches` must be >= 1, got {batches}.")
@@ -175,5 +177,6 @@ def epoch_time(
     for i in range(played + pipe.schedule.drain_iterations):
         pipe.play(i)
     rest = batches - played
-    steady = iteration_period(stages, activations_s, gradients_s, schedule, order) if rest else 0.0
-    return max(pipe.ends) + rest * steady
+    if rest and period_s is None:
+        period_s = iteration_period(stages, activations_s, gradients_s, schedule, order)
+    return max(pipe.ends) + rest * (period_s or 0.0)

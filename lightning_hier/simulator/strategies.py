@@ -324,6 +324,7 @@ def decoupled(
     if cluster.workers % pipe:
         raise ValueError(f"decoupled: `pipe` {pipe} must divide the {cluster.workers} workers.")
     replicas, b, speed = cluster.workers // pipe, workload.batch_size, min(cluster.speed_list)
+    plan = Schedule(schedule, pipe, order)
     stages = split_blocks(workload.blocks, pipe)
     step_share = workload.step_s / max(1, workload.params)
     forward_share = workload.forward_share
@@ -338,8 +339,8 @@ def decoupled(
         sent = (activations[k] if k < pipe - 1 else NONE) + (gradients[k - 1] if k > 0 else NONE)
         # a decoupled message travels while the stage computes, and its copies run on the same core; a
         # locked one is waited for, its copies are its transfer time
-        behind = (_boundaries(activations, k) if schedule == "fdg" else NONE) + (
-            _boundaries(gradients, k) if schedule != "sync" else NONE
+        behind = (NONE if plan.forward_locked else _boundaries(activations, k)) + (
+            NONE if plan.backward_locked else _boundaries(gradients, k)
         )
         busy = work + cluster.cpu_s_per_byte * behind.wire_bytes
         last = k == pipe - 1
@@ -347,11 +348,13 @@ def decoupled(
         forward = busy + reduce.time_s if last else forward_share * busy
         times.append(StageTimes(forward, 0.0 if last else (1 - forward_share) * busy + reduce.time_s))
         compute.append(work)
-        wire, payload = wire + (sent + reduce).wire_bytes, payload + (sent + reduce).payload_bytes
+        out = sent + reduce
+        wire, payload = wire + out.wire_bytes, payload + out.payload_bytes
     links = ([c.time_s for c in activations], [c.time_s for c in gradients])
-    batches, plan = int(steps_per_epoch(workload, replicas)), Schedule(schedule, pipe, order)
+    batches = int(steps_per_epoch(workload, replicas))
     iterations = batches + plan.drain_iterations
-    epoch = epoch_time(times, *links, batches, schedule, order)
+    period = iteration_period(times, *links, schedule, order)
+    epoch = epoch_time(times, *links, batches, schedule, order, period)
     # every iteration's activations, gradients and reductions tie each worker to its neighbours
     step = epoch / iterations + sync_wait(cluster, 1)
     # only the batches' messages and updates travel: the fill's and the drain's iterations send none
@@ -374,7 +377,7 @@ def decoupled(
             "stage_s": [t.forward_s + t.backward_s for t in times],
             "stage_blocks": [len(s) for s in stages],
             "drain": plan.drain_iterations,
-            "period_s": iteration_period(times, *links, schedule, order),
+            "period_s": period,
         },
     )
 

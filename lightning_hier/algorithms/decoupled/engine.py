@@ -292,14 +292,8 @@ class DecoupledPipeline:
         if self.first:
             return
         outgoing = done.outgoing if done is not None else None
-        if not self.schedule.backward_locked:
-            self._check_lock_step("gradient", outgoing, self.schedule.sends_gradient(self.k, self.iteration, self.fed))
-        if outgoing is None:
-            return
-        if self.schedule.backward_locked:
-            self.up.send(self.ranks[self.k - 1], outgoing)
-        else:
-            self.up.send_later(self.ranks[self.k - 1], outgoing)
+        sends = self.schedule.sends_gradient(self.k, self.iteration, self.fed)
+        self._pass_on("gradient", self.up, self.ranks[self.k - 1], outgoing, self.schedule.backward_locked, sends)
 
     def _forward_last(self, parcel: Parcel, apply: Apply) -> _Done:
         inputs, *targets = parcel.tensors
@@ -323,25 +317,28 @@ class DecoupledPipeline:
                 output, entry = self.runner.forward_delayed(inputs, parcel.tag)
             self.fifo.append(entry)
             activation = Parcel((self._wire(output.detach()), *targets), tag=parcel.tag)
-        if not self.schedule.forward_locked:
-            expected = self.schedule.sends_activation(self.k, self.iteration, self.fed)
-            self._check_lock_step("activation", activation, expected)
-        if activation is None:
-            return
-        if self.schedule.forward_locked:
-            self.down.send(self.ranks[self.k + 1], activation)
-        else:
-            self.down.send_later(self.ranks[self.k + 1], activation)
+        sends = self.schedule.sends_activation(self.k, self.iteration, self.fed)
+        self._pass_on("activation", self.down, self.ranks[self.k + 1], activation, self.schedule.forward_locked, sends)
 
-    def _check_lock_step(self, kind: str, parcel: Parcel | None, expected: bool) -> None:
-        """The receiver posts a decoupled message only where the schedule says one comes: ours must agree."""
-        if (parcel is not None) != expected:
+    def _pass_on(self, kind: str, mail: Mailbox, peer: int, parcel: Parcel | None, locked: bool, sends: bool) -> None:
+        """Send ``parcel`` (if any) to ``peer``: blocking on a locked direction, left in flight on a decoupled one.
+
+        On a decoupled direction the receiver posts a message only where the schedule ``sends`` one,
+        so what this stage has must agree.
+        """
+        if not locked and (parcel is not None) != sends:
             has = "has" if parcel is not None else "has no"
-            says = "one" if expected else "none"
+            says = "one" if sends else "none"
             raise RuntimeError(
                 f"DecoupledPipeline: stage {self.k} {has} {kind} to send at iteration {self.iteration} "
                 f"({self.fed} batches fed) where the schedule says {says}: the ranks fell out of lock-step."
             )
+        if parcel is None:
+            return
+        if locked:
+            mail.send(peer, parcel)
+        else:
+            mail.send_later(peer, parcel)
 
     def _backward(self, gradient: Parcel, apply: Apply) -> _Done:
         entry = self.fifo.popleft()
