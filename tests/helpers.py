@@ -80,3 +80,14 @@ def assert_resumed_run_matches(
         for s, p in zip(part["steps"], part["params"], strict=True):
             if until_step is None or s <= until_step:
                 assert torch.equal(p, tail[s]), f"rank {rank} differs at step {s}"
+
+
+def argument(strategy: Any, name: str) -> Any:
+    """The value a strategy keeps for its constructor argument ``name``: on the strategy or one of its objects."""
+    holders = [strategy, getattr(strategy, "sync", None), getattr(strategy, "allocation", None)]
+    sync = holders[1]
+    holders += [getattr(sync, "levels", None), getattr(sync, "norms", None)]
+    for holder in holders:
+        if holder is not None and hasattr(holder, name):
+            return getattr(holder, name)
+    raise AttributeError(f"{type(strategy).__name__} keeps no argument {name!r}")

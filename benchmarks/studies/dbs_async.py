@@ -64,7 +64,7 @@ from lightning_hier.callbacks import Straggler
 from lightning_hier.data import CIFAR10DataModule, DigitsDataModule, MNISTDataModule
 from lightning_hier.data.datamodule import ArrayDataModule
 from lightning_hier.models import Classifier, mlp, small_cnn
-from lightning_hier.strategies.param_server import ParameterServerWorker
+from lightning_hier.sync import ServerSync, SpeedShares
 from lightning_hier.testing import run_workers
 
 RANKS, SLOW_RANK = 3, 2
@@ -127,10 +127,10 @@ class Snapshots(pl.Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         if trainer.global_rank != 0 or trainer.global_step % self.every:
             return
-        strategy = trainer.strategy
-        if isinstance(strategy, ParameterServerWorker):
-            assert strategy.ps is not None and strategy.ps.server is not None
-            self._take(strategy.ps.server.consensus()[0], pl_module)
+        sync = getattr(trainer.strategy, "sync", None)
+        if isinstance(sync, ServerSync):
+            assert sync.ps is not None and sync.ps.server is not None
+            self._take(sync.ps.server.consensus()[0], pl_module)
         else:
             self._take(None, pl_module)
 
@@ -191,14 +191,15 @@ def _fit(
     )
     trainer.fit(module, datamodule=dm)
     wall = snaps.elapsed
-    if not isinstance(strategy, ParameterServerWorker):
+    sync, shares_of = getattr(strategy, "sync", None), getattr(strategy, "allocation", None)
+    if not isinstance(sync, ServerSync):
         return _synchronous_row(name, wall, trainer.global_step) | {"snaps": snaps.taken, "module": module}
-    assert strategy.ps is not None
-    stats = strategy.ps.stats()
-    history = strategy.algorithm.history if isinstance(strategy, AsyncDBSStrategy) and strategy.algorithm else []
+    assert sync.ps is not None
+    stats = sync.ps.stats()
+    history = shares_of.dbs.history if isinstance(shares_of, SpeedShares) and shares_of.dbs is not None else []
     last = history[-1] if history else {}
     sizes, speeds = last.get("sizes"), last.get("samples_per_s", [])
-    server = strategy.ps.server  # rank 0: each worker's pushes, and under sampler='shared' the server's split
+    server = sync.ps.server  # rank 0: each worker's pushes, and under sampler='shared' the server's split
     pushes = [server.core.stats.workers[r].pushes for r in range(RANKS)] if server is not None else []
     claims = server.core.claims if server is not None else None
     shares = claims.shares if isinstance(claims, ClaimQueue) else None

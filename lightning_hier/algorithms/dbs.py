@@ -255,32 +255,19 @@ class DynamicBatchSize:
         """
         return self._loss_scale
 
-    @torch.no_grad()
     def reduce_gradients(self) -> None:
         """Replace every gradient by ``sum_w (b_w / B) * grad_w`` (one SUM all-reduce of flat buckets).
 
         Each rank's gradient is the mean over its own samples of the step, so the weighted sum is the
         mean over all ``B`` samples (``r_w / R`` and ``R`` for a last, smaller batch: a rank without
-        samples contributes zeros). Missing gradients count as zeros, so every rank reduces the same
-        buckets. Buffers passed to the constructor are averaged with the same weights.
+        samples contributes zeros). Buffers passed to the constructor are averaged with the same
+        weights. See :func:`reduce_weighted_`.
         """
         if self.group is None:
             return
         assert self.allocation is not None and self._window is not None, "begin_micro_batch() not called"
-        weight = self._window_weight or 0.0
-        grads: list[Tensor] = []
-        for p in self.params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            grads.append(p.grad)
-        buckets = FlatTensors(grads, self.bucket_bytes).buckets
-        if self.flat_buffers is not None:
-            buckets = buckets + self.flat_buffers.buckets
-        torch._foreach_mul_(buckets, weight)
-        _synchronize(self.device)  # on a GPU, the compute so far must be finished before timing the wait
-        all_reduce_sum_(buckets, self.group, self.stats)
-        with self.stats.blocked():  # NCCL's wait() does not block the host: wait for the result here
-            _synchronize(self.device)
+        buffers = self.flat_buffers.buckets if self.flat_buffers is not None else []
+        reduce_weighted_(self.params, self.step_share, self.group, self.stats, self.bucket_bytes, buffers)
 
     def end_step(self) -> None:
         """The optimizer step is done: close its timing window and count it."""
@@ -409,6 +396,38 @@ def check_initial_sizes(
             f"{values} (sum {sum(values)})."
         )
     return values
+
+
+@torch.no_grad()
+def reduce_weighted_(
+    params: Sequence[Tensor],
+    weight: float,
+    group: Group,
+    stats: CommStats,
+    bucket_bytes: int | None = None,
+    buffers: Sequence[Tensor] = (),
+) -> None:
+    """DBS's gradient reduction: every ``.grad`` of ``params`` becomes ``sum_w weight_w * grad_w``.
+
+    ``weight`` is this rank's ``b_w / B`` of the step. Missing gradients count as zeros, so every
+    rank reduces the same buckets; ``buffers`` (flat buckets of BatchNorm statistics) are averaged
+    with the same weights. One SUM all-reduce; a no-op without a group.
+    """
+    if group is None:
+        return
+    grads: list[Tensor] = []
+    for p in params:
+        if p.requires_grad:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            grads.append(p.grad)
+    buckets = FlatTensors(grads, bucket_bytes).buckets + list(buffers)
+    torch._foreach_mul_(buckets, weight)
+    device = buckets[0].device if buckets else torch.device("cpu")
+    _synchronize(device)  # on a GPU, the compute so far must be finished before timing the wait
+    all_reduce_sum_(buckets, group, stats)
+    with stats.blocked():  # NCCL's wait() does not block the host: wait for the result here
+        _synchronize(device)
 
 
 def _synchronize(device: torch.device) -> None:

@@ -2,20 +2,19 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-if TYPE_CHECKING:
-    from lightning_hier.strategies._dbs_shares import DBSShares
+from lightning_hier.sync.dbs import SpeedShares
 
 
 class DBSCallback(Callback):
-    """Rebalances the per-rank batch sizes of :class:`~lightning_hier.strategies.DBSStrategy` on schedule.
+    """Rebalances the per-rank batch sizes of DBS's shares (:class:`~lightning_hier.sync.SpeedShares`) on schedule.
 
-    After every optimizer step it asks the strategy whether a rebalance period ended
+    After every optimizer step it asks the strategy's allocation whether a rebalance period ended
     (``rebalance_every`` steps after ``warmup_steps``); if so, every rank all-gathers its measured
     throughput, the global batch is split again in proportion, and the callback logs, for every rank
     ``r`` (identical values on all ranks):
@@ -34,7 +33,7 @@ class DBSCallback(Callback):
 
     Args:
         log: Log the metrics above through the LightningModule (the report is always kept in
-            ``trainer.strategy.shares.history``).
+            ``trainer.strategy.allocation.dbs.history``).
     """
 
     def __init__(self, log: bool = True) -> None:
@@ -44,12 +43,12 @@ class DBSCallback(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        strategy = _dbs_strategy(trainer)
-        report = strategy.rebalance_if_due()
+        shares = _shares(trainer)
+        report = shares.rebalance_if_due()
         if report is None or not self.log:
             return
-        assert strategy.shares is not None
-        metrics = {"dbs/rebalances": float(strategy.shares.rebalances)}
+        assert shares.dbs is not None
+        metrics = {"dbs/rebalances": float(shares.dbs.rebalances)}
         for r, size in enumerate(report["sizes"]):
             metrics[f"dbs/batch_size/rank{r}"] = float(size)
             for key in ("samples_per_s", "compute_s", "idle_s"):
@@ -57,13 +56,12 @@ class DBSCallback(Callback):
         pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
 
 
-def _dbs_strategy(trainer: pl.Trainer) -> DBSShares:
-    from lightning_hier.strategies._dbs_shares import DBSShares  # the strategy module imports this one
-
-    if not isinstance(trainer.strategy, DBSShares):
+def _shares(trainer: pl.Trainer) -> SpeedShares:
+    allocation = getattr(trainer.strategy, "allocation", None)
+    if not isinstance(allocation, SpeedShares):
         used = type(trainer.strategy).__name__
         raise TypeError(
             "DBSCallback works with a strategy that has DBS batch shares ('dbs', 'dbs_async', 'dbs_hpsgd', "
             f"'dbs_localsgd'), but the Trainer uses {used}."
         )
-    return trainer.strategy
+    return allocation

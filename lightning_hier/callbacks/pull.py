@@ -1,16 +1,17 @@
 """The pull-to-center callback: the *policy* of the model-averaging strategies.
 
-The split: the strategy (``localsgd``, ``easgd``, ``lsgd``, ``grawa`` / ``mgrawa`` / ``lgrawa``)
-owns everything that communicates — the center, the pull, the proximal pull, the consensus model,
-the bytes — and asks this callback, before every optimizer step, *how much* and *how often*:
+The split: the strategy's rule (:class:`~lightning_hier.sync.AveragingSync` of ``localsgd``,
+``easgd``, ``lsgd``, ``grawa`` / ``mgrawa`` / ``lgrawa``) owns everything that communicates — the
+center, the pull, the proximal pull, the consensus model, the bytes — and, when the Trainer has
+this callback, asks it after every optimizer step *how much* and *how often*:
 
 - :meth:`PullToCenter.lam_at` the pull strength of the next round,
 - :meth:`PullToCenter.rho_at` the proximal strength of this step,
 - :meth:`PullToCenter.tau_at` the length of the current period,
 
 and, after every round, :meth:`PullToCenter.on_round` decides what is logged. Without a
-``PullToCenter`` in ``Trainer(callbacks=...)`` the strategy uses a default one (its constructor's
-constants, standard metrics). Every rank must answer the same (a function of the counters it is
+``PullToCenter`` in ``Trainer(callbacks=...)`` the rule keeps its constructor's constants and logs
+the standard metrics of every round. Every rank must answer the same (a function of the counters it is
 given), since all ranks take part in every round.
 
 Example (a pull that strengthens over the first rounds, every per-layer weight logged)::
@@ -31,6 +32,7 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_hier import _validate as v
+from lightning_hier.sync.averaging import AveragingSync
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -78,6 +80,7 @@ class PullToCenter(Callback):
         self.lam, self.rho, self.tau = lam, rho, tau
         self.log_layer_weights = v.check_bool(owner, "log_layer_weights", log_layer_weights)
         self.log_every_round = v.check_bool(owner, "log_every_round", log_every_round)
+        self._fit: tuple[pl.Trainer, pl.LightningModule] | None = None
 
     def lam_at(self, round_index: int, default: float) -> float:
         """Pull strength of round ``round_index`` (0-based); ``default`` is the strategy's."""
@@ -100,15 +103,22 @@ class PullToCenter(Callback):
                 metrics.update({f"grawa/layer_weight/rank{r}/{n}": float(w) for n, w in zip(names, row, strict=True)})
         return metrics
 
+    def round_metrics(self, report: RoundReport) -> dict[str, float]:
+        """The metrics of one round: :meth:`on_round` with this fit's trainer and module."""
+        assert self._fit is not None, "set up by the Trainer first"
+        return self.on_round(*self._fit, report)
+
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        from lightning_hier.strategies.averaging import AveragingStrategy  # the strategy imports this module
-
-        if not isinstance(trainer.strategy, AveragingStrategy):
+        if not isinstance(getattr(trainer.strategy, "sync", None), AveragingSync):
             raise ValueError(
                 f"{type(self).__name__} sets the pull of an averaging strategy (localsgd, easgd, lsgd, grawa, "
                 f"mgrawa, lgrawa), but the trainer's strategy is {type(trainer.strategy).__name__}."
             )
+        found = [c for c in trainer.callbacks if isinstance(c, PullToCenter)]  # type: ignore[attr-defined]
+        if len(found) > 1:
+            raise ValueError(f"Trainer has {len(found)} PullToCenter callbacks; an averaging strategy uses one.")
+        self._fit = (trainer, pl_module)
 
 
 def _resolve(value: Any, counter: int, default: Any) -> Any:

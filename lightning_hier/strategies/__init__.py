@@ -1,11 +1,16 @@
-"""Lightning strategies, one per algorithm (thin adapters over :mod:`lightning_hier.algorithms`)."""
+"""Lightning strategies: one adapter (:class:`HierStrategy`) that holds a rule and an allocation, and thin constructors.
+
+Each registered name builds its objects (:mod:`lightning_hier.sync`) and hands them to the adapter;
+``decoupled`` and ``grid2d`` are subclasses of it; the ``ddp_*`` peers are Lightning's DDP with one
+of torch's communication hooks.
+"""
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_hier.strategies._base import HierStrategy
 from lightning_hier.strategies._checkpoint import CheckpointError
 from lightning_hier.strategies._finite import NonFiniteError
-from lightning_hier.strategies.averaging import AveragingStrategy, EasgdStrategy, LocalSGDStrategy, LsgdStrategy
+from lightning_hier.strategies.adapter import HierStrategy
+from lightning_hier.strategies.averaging import EasgdStrategy, LocalSGDStrategy, LsgdStrategy
 from lightning_hier.strategies.dbs import DBSStrategy
 from lightning_hier.strategies.dbs_async import AsyncDBSStrategy
 from lightning_hier.strategies.dbs_compose import DBSHPSGDStrategy, DBSLocalSGDStrategy
@@ -13,7 +18,7 @@ from lightning_hier.strategies.decoupled import DecoupledStrategy
 from lightning_hier.strategies.grawa import GrawaStrategy
 from lightning_hier.strategies.grid2d import Grid2DStrategy
 from lightning_hier.strategies.hpsgd import HPSGDStrategy
-from lightning_hier.strategies.param_server import AsgdStrategy, ParameterServerWorker, SoftsyncStrategy
+from lightning_hier.strategies.param_server import AsgdStrategy, SoftsyncStrategy
 from lightning_hier.strategies.peers import DDPCommHookStrategy
 
 STRATEGIES: tuple[type[HierStrategy], ...] = (
@@ -47,7 +52,7 @@ def register_all() -> None:
 __all__ = [
     "STRATEGIES",
     "AsgdStrategy",
-    "AveragingStrategy",
+    "AsyncDBSStrategy",
     "CheckpointError",
     "DBSHPSGDStrategy",
     "DBSLocalSGDStrategy",
@@ -62,7 +67,6 @@ __all__ = [
     "LocalSGDStrategy",
     "LsgdStrategy",
     "NonFiniteError",
-    "ParameterServerWorker",
     "SoftsyncStrategy",
     "register_all",
 ]

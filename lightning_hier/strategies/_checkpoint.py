@@ -6,14 +6,16 @@ rank's own state, or a resume silently restarts all ranks from rank 0. The strat
 ``RankState`` per rank into the file rank 0 writes, under :data:`STATE_KEY`::
 
     checkpoint["lightning_hier"] = {
-        "format": 2,
+        "format": 3,
         "strategy": "hpsgd",                  # registry name of the writer
         "topology": {"world_size": 2, ...},   # Topology.describe()
         "ranks": [rank_state_0, rank_state_1, ...],   # absent in a weights-only checkpoint
         "checksums": {"state_dict": "<sha256>", "ranks": ["<sha256 of rank 0's state>", ...]},
     }
-    rank_state = {"model": ..., "optimizer_states": [...], "rng": {...}, "algorithm": {...}, "comm": {...},
-                  "data": {"epoch": ..., "batches": ...}}
+    rank_state = {"model": ..., "optimizer_states": [...], "rng": {...},
+                  "algorithm": {...},    # the strategy's synchronisation rule (its Sync object)
+                  "allocation": {...},   # how it splits the batches (its Allocation object: DBS's shares)
+                  "comm": {...}, "data": {"epoch": ..., "batches": ...}}
 
 Everything is tensors and plain Python types, so the file loads with ``weights_only=True``.
 
@@ -23,6 +25,11 @@ the consensus ``state_dict`` therefore carry a SHA-256 of their content (:func:`
 every tensor's dtype, shape and bytes and every plain value, in order), checked on load. Format
 1 (written by earlier versions, without checksums) still loads, with a warning that its integrity
 cannot be checked.
+
+**State keyed by object** (format 3). Each rank's state holds one entry per object of the strategy
+(:class:`~lightning_hier.strategies.HierStrategy` holds a ``sync`` and an ``allocation``). Format 2
+kept DBS's shares inside ``algorithm`` (beside the averaging rule's state, or instead of it);
+:func:`upgrade_rank_state` moves them to ``allocation`` on load, so those files resume as before.
 """
 
 from __future__ import annotations
@@ -37,8 +44,9 @@ import torch
 from torch import Tensor
 
 STATE_KEY = "lightning_hier"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 LEGACY_FORMATS = (1,)  # readable, without checksums
+CHECKSUMMED = (2, 3)  # formats with checksums; 2 keeps DBS's shares in `algorithm` (upgrade_rank_state)
 # layout fields that must match for a resume; num_nodes may differ (same ranks, other hosts)
 _LAYOUT_FIELDS = ("world_size", "data", "pipe", "model")
 
@@ -184,20 +192,42 @@ def select_rank_state(
             f"Cannot resume '{strategy}' from {path}: it holds the states of {count} rank(s), but its world size "
             f"is {world_size}: the file is incomplete or damaged. Resume from another checkpoint."
         )
-    if section["format"] == FORMAT_VERSION:
+    if section["format"] in CHECKSUMMED:
         digests = section.get("checksums", {}).get("ranks")
         if not isinstance(digests, list) or len(digests) != world_size:
             raise CheckpointError(
                 f"Cannot resume '{strategy}' from {path}: its checksums of the {world_size} rank states are missing "
                 "or incomplete: the file is damaged. Resume from another checkpoint."
             )
-    return dict(ranks[rank])
+    return upgrade_rank_state(dict(ranks[rank]), int(section["format"]), strategy)
+
+
+def upgrade_rank_state(state: dict[str, Any], fmt: int, strategy: str) -> dict[str, Any]:
+    """A rank's saved state in this version's layout (format 3: one entry per object of the strategy).
+
+    Formats 1 and 2 kept DBS's shares in ``algorithm``: alone (``dbs``), beside the server's state
+    (``dbs_async``: ``{"dbs", "server"}``) or beside the window rule's and its sample counts
+    (``dbs_hpsgd``, ``dbs_localsgd``: ``{"sync", "dbs", "samples"}``). They move to ``allocation``.
+    """
+    if fmt >= 3:
+        return state
+    algorithm = state.get("algorithm") or {}
+    if strategy == "dbs":
+        algorithm, allocation = {}, algorithm
+    elif strategy == "dbs_async" and algorithm:
+        algorithm, allocation = algorithm["server"], algorithm["dbs"]
+    elif strategy in ("dbs_hpsgd", "dbs_localsgd") and algorithm:
+        allocation = algorithm["dbs"]
+        algorithm = {"sync": algorithm["sync"], "samples": algorithm["samples"]}
+    else:
+        allocation = {}
+    return {**state, "algorithm": algorithm, "allocation": allocation}
 
 
 def rank_state_damaged(checkpoint: Mapping[str, Any], rank: int) -> bool:
     """Whether ``rank``'s saved state differs from the checksum written with it (format 1: never known)."""
     section = checkpoint[STATE_KEY]
-    if section["format"] != FORMAT_VERSION:
+    if section["format"] not in CHECKSUMMED:
         return False
     return state_digest(section["ranks"][rank]) != section["checksums"]["ranks"][rank]
 
@@ -219,7 +249,7 @@ def check_state_dict(checkpoint: Mapping[str, Any], path: str) -> None:
             lightning-hier section or of format 1.
     """
     section = checkpoint.get(STATE_KEY)
-    if not isinstance(section, Mapping) or section.get("format") != FORMAT_VERSION:
+    if not isinstance(section, Mapping) or section.get("format") not in CHECKSUMMED:
         return
     expected = section.get("checksums", {}).get("state_dict")
     if expected != state_digest(checkpoint.get("state_dict")):
@@ -246,9 +276,9 @@ def _section(checkpoint: Mapping[str, Any], path: str, strategy: str) -> Mapping
             UserWarning,
             stacklevel=3,
         )
-    elif fmt != FORMAT_VERSION:
+    elif fmt not in CHECKSUMMED:
         raise CheckpointError(
             f"Cannot resume from {path}: checkpoint format {fmt!r} is not supported "
-            f"(this version reads formats {[*LEGACY_FORMATS, FORMAT_VERSION]})."
+            f"(this version reads formats {[*LEGACY_FORMATS, *CHECKSUMMED]})."
         )
     return section

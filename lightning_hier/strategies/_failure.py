@@ -1,4 +1,4 @@
-"""Failure handling shared by every strategy here (:class:`HierStrategy` and the DDP peers).
+"""Failure handling shared by every strategy here (:class:`HierStrategy` and the DDP peers): :class:`FailureGuard`.
 
 What a run guarantees when a rank fails (README, "When a rank fails"):
 
@@ -26,11 +26,10 @@ from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.utilities.exceptions import SIGTERMException
-from typing_extensions import override
 
 from lightning_hier.comm import FailureBoard, broadcast_object
 from lightning_hier.comm.failures import Parent, is_communication_error
-from lightning_hier.strategies._launchers import _ReportingLauncher
+from lightning_hier.strategies._launchers import FitCheck, _ReportingLauncher
 
 GRACE_S = 3.0
 """Longest wait for the peers' reports, and the watchdog's pause before it ends a rank."""
@@ -40,73 +39,81 @@ END_GRACE_S = 10.0
 """Longest time children may take to end after a failure or a signal (fork / spawn launcher)."""
 
 
-class FailureHandling(ParallelStrategy):
-    """Mixin: failure reports, the watchdog, ending the launched ranks (see the module docstring).
+class FailureGuard:
+    """Failure reports, the watchdog and ending the launched ranks of one strategy (see the module docstring).
 
-    A strategy calls :meth:`_start_failure_board` at the end of ``setup_environment`` (the
-    process group exists) and :meth:`_stop_failure_board` in ``teardown``; each grace period is
-    bounded by the strategy's ``timeout``.
+    The strategy calls :meth:`start` at the end of ``setup_environment`` (the process group
+    exists), :meth:`stop` in ``teardown`` and :meth:`on_exception` from its own
+    ``on_exception``; each grace period is bounded by the strategy's ``timeout``.
+
+    Args:
+        timeout: The strategy's collective timeout (``None``: unbounded).
     """
 
-    _timeout: timedelta | None
-    _failures: FailureBoard | None = None
+    def __init__(self, timeout: timedelta | None) -> None:
+        self.timeout = timeout
+        self.board: FailureBoard | None = None
 
-    def _timeout_s(self) -> float:
-        return self._timeout.total_seconds() if self._timeout is not None else float("inf")
+    def timeout_s(self) -> float:
+        return self.timeout.total_seconds() if self.timeout is not None else float("inf")
 
-    def _reporting_launcher(
-        self, start_method: str, cls: type[_ReportingLauncher] = _ReportingLauncher
+    def launcher(
+        self,
+        strategy: ParallelStrategy,
+        start_method: str,
+        cls: type[_ReportingLauncher] = _ReportingLauncher,
+        check: FitCheck | None = None,
     ) -> _ReportingLauncher:
         """The fork / spawn launcher, with this strategy's grace period for ending its children."""
-        return cls(self, start_method=start_method, grace_s=min(END_GRACE_S, self._timeout_s()))
+        return cls(strategy, start_method=start_method, grace_s=min(END_GRACE_S, self.timeout_s()), check=check)
 
-    def _start_failure_board(self) -> None:
-        if self._failures is None:
-            token = broadcast_object(uuid.uuid4().hex if self.global_rank == 0 else None, 0, dist.group.WORLD)
-            timeout_s = self._timeout_s()
-            self._failures = FailureBoard(
+    def start(self, strategy: ParallelStrategy) -> None:
+        """Open the failure board on the default store and start this rank's watchdog (a collective, once)."""
+        if self.board is None:
+            token = broadcast_object(uuid.uuid4().hex if strategy.global_rank == 0 else None, 0, dist.group.WORLD)
+            timeout_s = self.timeout_s()
+            self.board = FailureBoard(
                 dist.distributed_c10d._get_default_store(),
-                self.global_rank,
-                self.world_size,
+                strategy.global_rank,
+                strategy.world_size,
                 prefix=f"lightning_hier/{token}",
                 grace_s=min(GRACE_S, timeout_s / 4),
                 store_grace_s=min(STORE_GRACE_S, timeout_s),
             )
-        self._failures.start_watchdog(parent=self._launching_parent())
+        self.board.start_watchdog(parent=launching_parent(strategy))
 
-    def _stop_failure_board(self) -> None:
-        if self._failures is not None:
-            self._failures.stop_watchdog()
+    def stop(self) -> None:
+        if self.board is not None:
+            self.board.stop_watchdog()
 
-    def _launching_parent(self) -> Parent | None:
-        """The process that started this rank, when this job's launcher did (else ``None``).
-
-        fork / spawn: the main process. popen: the main process is rank 0 itself (whose parent, a
-        shell, may come and go); the other ranks of its node are its children. Ranks started by
-        torchrun or SLURM belong to their launcher, which handles their parent's death.
-        """
-        launcher = self.launcher
-        if isinstance(launcher, _ReportingLauncher) and launcher.main_pid is not None:
-            return Parent(launcher.main_pid, "the launching process")
-        popen_child = isinstance(launcher, _SubprocessScriptLauncher) and self.local_rank > 0
-        if popen_child and isinstance(self.cluster_environment, LightningEnvironment):
-            return Parent(os.getppid(), f"rank {self.node_rank * len(self.parallel_devices or ())}")
-        return None
-
-    @override
-    def on_exception(self, exception: BaseException) -> None:
-        super().on_exception(exception)
+    def on_exception(self, exception: BaseException, launcher: object) -> None:
+        """Report the failure, name the peers that failed, and end ranks the popen launcher started."""
         if isinstance(exception, SIGTERMException) and not exception.code:
             exception.code = 128 + signal.SIGTERM  # Lightning's graceful SIGTERM stop would exit 0
-        board = self._failures
+        board = self.board
         if board is not None:
             board.report(f"{type(exception).__name__}: {_first_line(exception)}")
             if is_communication_error(exception):
                 _append_message(exception, board.describe(board.wait_for_reports()))
             board.stop_watchdog()
-        launcher = self.launcher
         if isinstance(launcher, _SubprocessScriptLauncher):
             launcher.kill(signal.SIGKILL)  # children blocked in collectives never see SIGTERM
+
+
+def launching_parent(strategy: ParallelStrategy) -> Parent | None:
+    """The process that started this rank, when this job's launcher did (else ``None``).
+
+    fork / spawn: the main process. popen: the main process is rank 0 itself (whose parent, a
+    shell, may come and go); the other ranks of its node are its children. Ranks started by
+    torchrun or SLURM belong to their launcher, which handles their parent's death.
+    """
+    launcher = strategy.launcher
+    if isinstance(launcher, _ReportingLauncher) and launcher.main_pid is not None:
+        return Parent(launcher.main_pid, "the launching process")
+    popen_child = isinstance(launcher, _SubprocessScriptLauncher) and strategy.local_rank > 0
+    if popen_child and isinstance(strategy.cluster_environment, LightningEnvironment):
+        return Parent(os.getppid(), f"rank {strategy.node_rank * len(strategy.parallel_devices or ())}")
+    return None
 
 
 def _first_line(exc: BaseException) -> str:

@@ -37,6 +37,8 @@ from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import lightning.pytorch as pl
 
 
@@ -45,50 +47,37 @@ class Finishes(Protocol):
     """A strategy that can finish its algorithm early (idempotent until training goes on)."""
 
     def finish_training(self) -> None:
-        """Leave the finished (consensus) model in every rank's module; a collective."""
+        """Leave the finished (consensus) model in every rank's module, once per end of training; a collective.
+
+        :class:`FinishFit` calls it right after the fit's last optimizer step, not in the
+        strategy's ``on_train_end``, which Lightning runs after every user ``on_train_end``: the
+        last epoch's validation and checkpoints, user ``on_train_end`` / ``on_fit_end`` hooks
+        (collectives in them included) and ``fit()``'s result all see the same finished model on
+        every rank.
+        """
 
 
-class FinishOnce:
-    """Mixin of a Lightning ``Strategy``: finish its algorithm once per end of training.
+class Finish:
+    """Finish an algorithm once per end of training (held by a strategy, called by its ``finish_training``).
 
-    :meth:`finish_training` runs :meth:`_finalize_algorithm` once; the next training batch (or a
-    new fit) re-arms it, so a wrong guess of the last step costs one extra finish. The strategy's
-    own ``on_train_end`` finishes too, as a no-op when :class:`FinishFit` already did. Placed
-    before the Lightning strategy base in the class bases.
+    The first call runs ``finalize``; later calls do nothing until :meth:`rearm` (the next
+    training batch, or a new fit), so a wrong guess of the last step costs one extra finish.
     """
 
-    _finished = False  # finalized since the last training batch started
+    def __init__(self) -> None:
+        self.done = False  # finalized since the last training batch started
 
-    def _finalize_algorithm(self) -> None:
-        """Leave the finished (consensus) model in every rank's module; a collective."""
-
-    def finish_training(self) -> None:
-        """Leave the finished (consensus) model in every rank's module, once per end of training.
-
-        A collective. :class:`FinishFit` calls it right after the fit's last optimizer step, not
-        in the strategy's ``on_train_end``, which Lightning runs after every user
-        ``on_train_end``: the last epoch's validation and checkpoints, user ``on_train_end`` /
-        ``on_fit_end`` hooks (collectives in them included) and ``fit()``'s result all see the same
-        finished model on every rank.
-        """
-        if not self._finished:
+    def __call__(self, finalize: Callable[[], object]) -> None:
+        if not self.done:
             # FinishFit may call this from on_validation_start, inside Lightning's inference mode:
             # what finalizing creates (a center, a probe's graph) must stay usable if training goes on
             with torch.inference_mode(False):
-                self._finalize_algorithm()
-            self._finished = True
+                finalize()
+            self.done = True
 
-    def on_train_start(self) -> None:
-        super().on_train_start()  # type: ignore[misc]
-        self._finished = False
-
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        super().on_train_batch_start(batch, batch_idx)  # type: ignore[misc]
-        self._finished = False  # training goes on: the replicas may differ again
-
-    def on_train_end(self) -> None:
-        self.finish_training()  # a no-op unless a stop came that FinishFit did not predict
-        super().on_train_end()  # type: ignore[misc]
+    def rearm(self) -> None:
+        """Training goes on: the replicas may differ again."""
+        self.done = False
 
 
 class FinishFit(Callback):

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     import lightning.pytorch as pl
-    from torch.optim import Optimizer
+    from lightning.pytorch.strategies import ParallelStrategy as Strategy
 
 log = logging.getLogger(__name__)
 
@@ -76,58 +76,38 @@ def _where(trainer: pl.Trainer | None) -> tuple[int, str]:
     return step, f"at global step {step} (epoch {trainer.current_epoch}, batch {batch})"
 
 
-class FiniteChecks:
-    """Mixin of the ``check_finite`` guard for a Lightning ``Strategy`` (see the module docstring).
+class FiniteGuard:
+    """The ``check_finite`` guard of one strategy (see the module docstring); does nothing when off.
 
-    Placed before the Lightning strategy base in the class bases; the class sets
-    ``self.check_finite`` in its constructor.
+    Args:
+        enabled: The strategy's ``check_finite`` argument.
+        owner: The strategy's class name, for the error message.
     """
 
-    check_finite: bool = False
+    def __init__(self, enabled: bool, owner: str) -> None:
+        self.enabled = enabled
+        self.owner = owner
 
-    def _raise_non_finite(self, what: str, detail: str) -> None:
-        strategy: Any = self
-        module = strategy.lightning_module
-        trainer = module._trainer if module is not None else None
-        step, where = _where(trainer)
-        rank = strategy.global_rank
-        raise NonFiniteError(
-            f"{type(self).__name__}: rank {rank} has non-finite {what} {where}{detail}; stopped before it "
-            "reaches the other ranks (check_finite=True). Lower the learning rate, clip gradients "
-            "(Trainer(gradient_clip_val=...)) or check this rank's data.",
-            rank=rank,
-            step=step,
-            what=what,
-        )
-
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        output = super().training_step(*args, **kwargs)  # type: ignore[misc]
-        if self.check_finite:
-            self._check_loss(loss_of(output))
-        return output
-
-    def _check_loss(self, loss: Tensor | float | None) -> None:
+    def check_loss(self, strategy: Strategy, loss: Tensor | float | None) -> None:
         """Raise :class:`NonFiniteError` if ``loss`` is NaN or infinite (``None``: nothing to check)."""
-        if loss is None:
+        if not self.enabled or loss is None:
             return
         value = loss.detach() if isinstance(loss, Tensor) else torch.tensor(loss)
         if not all_finite([value]):
-            self._raise_non_finite("loss", f": {value.float().mean().item()}")
+            self.raise_non_finite(strategy, "loss", f": {value.float().mean().item()}")
 
-    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
-        out: Tensor = super().backward(closure_loss, optimizer, *args, **kwargs)  # type: ignore[misc]
-        if self.check_finite:
-            self._check_module("gradients", lambda p: p.grad)
-        return out
+    def check_gradients(self, strategy: Strategy) -> None:
+        """After backward: this rank's gradients, before any reduction carries them to the others."""
+        if self.enabled:
+            self._check_module(strategy, "gradients", lambda p: p.grad)
 
-    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        output = super().optimizer_step(optimizer, closure, model, **kwargs)  # type: ignore[misc]
-        if self.check_finite:
-            self._check_module("parameters", lambda p: p)
-        return output
+    def check_parameters(self, strategy: Strategy) -> None:
+        """After the optimizer step: this rank's parameters, before an algorithm's round."""
+        if self.enabled:
+            self._check_module(strategy, "parameters", lambda p: p)
 
-    def _check_module(self, what: str, pick: Callable[[torch.nn.Parameter], Tensor | None]) -> None:
-        module = self.lightning_module  # type: ignore[attr-defined]
+    def _check_module(self, strategy: Strategy, what: str, pick: Callable[[torch.nn.Parameter], Tensor | None]) -> None:
+        module = strategy.lightning_module
         if module is None:
             return
         named = list(module.named_parameters())
@@ -135,7 +115,22 @@ class FiniteChecks:
             return
         bad = [name for name, p in named if not all_finite([pick(p)])]
         shown = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
-        self._raise_non_finite(what, f" (in {shown})")
+        self.raise_non_finite(strategy, what, f" (in {shown})")
+
+    def raise_non_finite(self, strategy: Strategy, what: str, detail: str) -> None:
+        """Raise :class:`NonFiniteError` for ``what`` on this rank, naming the step."""
+        module = strategy.lightning_module
+        trainer = module._trainer if module is not None else None
+        step, where = _where(trainer)
+        rank = strategy.global_rank
+        raise NonFiniteError(
+            f"{self.owner}: rank {rank} has non-finite {what} {where}{detail}; stopped before it "
+            "reaches the other ranks (check_finite=True). Lower the learning rate, clip gradients "
+            "(Trainer(gradient_clip_val=...)) or check this rank's data.",
+            rank=rank,
+            step=step,
+            what=what,
+        )
 
 
 def warn_if_not_finite(module: torch.nn.Module | None, owner: str, rank: int) -> bool:

@@ -1,4 +1,4 @@
-"""The cross-node level of the grid and pipeline compositions (issue 20), written once for both.
+"""The cross-node level of the grid and pipeline compositions, written once for both.
 
 :class:`~lightning_hier.strategies.Grid2DStrategy` and
 :class:`~lightning_hier.strategies.DecoupledStrategy` keep their own per-step data-parallel gradient
@@ -27,7 +27,7 @@ algorithm (what the data-parallel families call ``intra_node='step'``), so they 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any, Protocol
 
 from torch import Tensor
@@ -37,20 +37,31 @@ from lightning_hier.algorithms.averaging import LocalSGD
 from lightning_hier.algorithms.hpsgd import HPSGD
 from lightning_hier.comm import CommStats, FlatTensors
 from lightning_hier.comm.collectives import Group
-from lightning_hier.strategies._algorithm import SyncAlgorithm
 from lightning_hier.topology import ProcessGroups, Topology
 
 INTER_NODE_RULES = ("localsgd", "hpsgd")
 """Values of the ``inter_node`` argument."""
 
 
-class InterNodeAlgorithm(SyncAlgorithm, Protocol):
+class InterNodeAlgorithm(Protocol):
     """What a composition needs from its cross-node rule (LocalSGD and HPSGD both provide it)."""
 
     flat: FlatTensors
 
     def step(self) -> Any:
         """Call after every optimizer step; synchronises when the period is over."""
+
+    def finalize(self) -> None:
+        """Leave the consensus model in the replica (end of fit)."""
+
+    def consensus(self) -> AbstractContextManager[None]:
+        """Hold the consensus model in the replica while inside."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """The rule's checkpoint state."""
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Inverse of :meth:`state_dict`."""
 
 
 def check_inter_node(owner: str, every: Any, rule: Any) -> tuple[int | None, str]:

@@ -33,13 +33,17 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
 from typing_extensions import override
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM)
 _Handler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
+
+
+FitCheck = Callable[[Any, tuple[Any, ...]], None]
+"""``check(trainer, args)``: raises before any rank starts when ``trainer.fit(*args)`` cannot run."""
 
 
 class _ReportingLauncher(_MultiProcessingLauncher):
@@ -50,11 +54,15 @@ class _ReportingLauncher(_MultiProcessingLauncher):
         start_method: ``'spawn'``, ``'fork'`` or ``'forkserver'``.
         grace_s: How long children may take to end after a failure or a forwarded signal
             before they get SIGKILL.
+        check: Checks the launched function's arguments in the main process first (``None``: none).
     """
 
-    def __init__(self, strategy: Any, start_method: str = "spawn", grace_s: float = 10.0) -> None:
+    def __init__(
+        self, strategy: Any, start_method: str = "spawn", grace_s: float = 10.0, check: FitCheck | None = None
+    ) -> None:
         super().__init__(strategy, start_method=start_method)  # type: ignore[arg-type]
         self.grace_s = grace_s
+        self.check = check
         self.main_pid: int | None = None
         """PID of the process that launched the ranks (each rank's watchdog ends it when it is gone)."""
         self._handlers: dict[signal.Signals, _Handler] = {}
@@ -63,6 +71,8 @@ class _ReportingLauncher(_MultiProcessingLauncher):
 
     @override
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        if self.check is not None:
+            self.check(trainer, args)
         self.main_pid = os.getpid()
         self._signalled = False
         with self._forwarding_signals(), _error_files_apart() as self._tempdir:
@@ -131,6 +141,19 @@ class _ReportingLauncher(_MultiProcessingLauncher):
         state = super().__getstate__()
         state["_handlers"] = {}  # spawn: a fresh interpreter has its default handlers (and may not unpickle ours)
         return state
+
+
+class _CheckedScriptLauncher(_SubprocessScriptLauncher):
+    """Lightning's popen launcher, checking the launched function's arguments before the children start."""
+
+    def __init__(self, check: FitCheck, *args: Any) -> None:
+        super().__init__(*args)
+        self.check = check
+
+    @override
+    def launch(self, function: Callable[..., Any], *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        self.check(trainer, args)
+        return super().launch(function, *args, trainer=trainer, **kwargs)
 
 
 def _name_rank(exc: ProcessRaisedException | ProcessExitedException, rank: int) -> None:

@@ -26,10 +26,14 @@ from typing import Any
 
 import numpy as np
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset
+from torchmetrics import Metric
 
 from lightning_hier.rng import capture_rng, restore_rng
+from lightning_hier.strategies._finite import loss_of
+from lightning_hier.strategies._user_model import muted_logs
 
 _MASK = (1 << 63) - 1
 
@@ -138,3 +142,90 @@ def isolated_rng(seed: int) -> Iterator[None]:
         yield
     finally:
         restore_rng(saved)
+
+
+PROBES = ("fresh", "batch", "step")
+
+
+class TrainingStepProbe:
+    """GRAWA's probe under Lightning: the module's own ``training_step`` re-run on the side for its loss.
+
+    A :class:`~lightning_hier.sync.averaging.NormSource`: ``'fresh'`` draws a batch from the whole
+    training set (:class:`FreshBatches`, seeded by ``(seed, rank, step)``), ``'batch'`` re-uses the
+    round's last training batch, ``'step'`` does not probe (the step's own gradients). The probe
+    logs nothing, keeps torchmetrics states, and leaves the training RNG stream where it was.
+
+    Under manual optimization the user's ``training_step`` steps the optimizers itself, so it
+    cannot be re-run as a probe: the rounds then weigh the step's own gradients (``'step'``), and
+    a message says so once.
+
+    Args:
+        kind: ``'fresh'``, ``'batch'`` or ``'step'``.
+        seed: Base seed of the fresh probe batches.
+        owner: The strategy's name, in messages.
+    """
+
+    def __init__(self, kind: str = "fresh", seed: int = 0, owner: str = "GrawaStrategy") -> None:
+        self.probe, self.probe_seed, self.owner = kind, seed, owner
+        self._strategy: Any = None
+        self._fresh: Any = None  # the FreshBatches of every training DataLoader, drawn on first use
+
+    def bind(self, binding: Any) -> bool:
+        """Keep the strategy that runs the loop; whether this probe measures (False: the step's gradients)."""
+        strategy, self._fresh = binding.host, None
+        self._strategy = strategy
+        module = strategy.lightning_module if strategy is not None else None
+        if self.probe == "step" or module is None:
+            return False
+        if not module.automatic_optimization:
+            rank_zero_info(
+                f"{self.owner}(probe={self.probe!r}): the module uses manual optimization, so its training_step "
+                "steps the optimizers itself and cannot be re-run as a probe; the rounds weigh the gradients of "
+                "each round's last step (probe='step')."
+            )
+            return False
+        return True
+
+    def loss(self, step: int) -> Tensor:
+        """``training_step``'s loss at the current weights, as a side computation (see the class docstring)."""
+        strategy = self._strategy
+        args, kwargs = strategy.last_step_args if strategy.last_step_args is not None else ((), {})
+        if self.probe == "batch":
+            if not args and not kwargs:
+                raise RuntimeError(f"{self.owner}(probe='batch'): no training batch seen yet.")
+            return self._training_loss(args, kwargs)
+        if self._fresh is None:
+            # the training DataLoaders exist from here on (Lightning set them up before the first step)
+            loaders = strategy.lightning_module.trainer.train_dataloader
+            self._fresh = fresh_batches_of(loaders, self.probe_seed, strategy.global_rank, self.owner)
+        # the batch and every random draw of the probe come from (seed, rank, step): put back after
+        with isolated_rng(first(self._fresh).seed_for(step)):
+            batch = strategy.batch_to_device(draw(self._fresh, step))  # the module's transfer hooks
+            rest: tuple[Any, ...] = tuple(args[1:]) if args else (0,)  # batch_idx of the latest batch
+            return self._training_loss((batch, *rest), kwargs)
+
+    def _training_loss(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tensor:
+        strategy = self._strategy
+        module = strategy.lightning_module
+        with side_effect_free(module), strategy.precision_plugin.train_step_context():
+            loss = loss_of(module.training_step(*args, **kwargs))
+        if loss is None:
+            raise RuntimeError(
+                f"{self.owner}(probe={self.probe!r}): training_step returned no loss tensor; use probe='step'."
+            )
+        return loss
+
+
+@contextmanager
+def side_effect_free(module: Any) -> Iterator[None]:
+    """Re-run a LightningModule hook as a side computation: nothing logged, torchmetrics states kept."""
+    metrics = [m for m in module.modules() if isinstance(m, Metric)]
+    saved = [(m._copy_state_dict(), m._update_count, m._computed, m._forward_cache) for m in metrics]
+    try:
+        with muted_logs(module):
+            yield
+    finally:
+        for metric, (state, count, computed, cache) in zip(metrics, saved, strict=True):
+            for name, value in state.items():
+                setattr(metric, name, value)
+            metric._update_count, metric._computed, metric._forward_cache = count, computed, cache

@@ -2,11 +2,11 @@
 
 The strategies that train through a server on rank 0 (``asgd``, ``softsync``, ``dbs_async``, and
 GRAWA's asynchronous rounds) can let the ranks claim their batches from the server's shared queue
-(:class:`SharedQueueStrategy`).
-
-With ``sampler='shared'`` the training loader claims its batches from the server's shared queue
+(:class:`~lightning_hier.sync.SharedQueue`, or DBS's :class:`~lightning_hier.sync.SpeedShares` with
+a server). The training loader then claims its batches from the server's shared queue
 (:mod:`lightning_hier.algorithms.claim_sampler`), so the ranks take different numbers of steps per
-epoch and the loader has no length. What that means in Lightning 2.6 (read in
+epoch and the loader has no length; :func:`check_shared_trainer` rejects the Trainer options that
+need equal step counts. What that means in Lightning 2.6 (read in
 ``loops/fit_loop.py``, ``loops/training_epoch_loop.py``, ``loops/fetchers.py`` and
 ``trainer/connectors/data_connector.py``):
 
@@ -46,18 +46,10 @@ of times on each rank and hang: log per step without it (the epoch-end sync is f
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from lightning.pytorch.callbacks import ModelCheckpoint, Timer
 from lightning.pytorch.callbacks.timer import Interval
-from torch.utils.data import DataLoader
-from typing_extensions import override
-
-from lightning_hier import _validate as v
-from lightning_hier.algorithms.claim_sampler import SAMPLERS, ClaimQueue, claim_batch_loader
-from lightning_hier.strategies._base import HierStrategy
-from lightning_hier.strategies._dbs_shares import global_seed
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -98,64 +90,3 @@ def check_shared_trainer(owner: str, trainer: pl.Trainer) -> None:
         if isinstance(callback, Timer) and callback._duration is not None and callback._interval == Interval.step:
             shown = f"Timer(duration={callback._duration}, interval='step') (Trainer(max_time=...))"
             raise _fail(owner, "a time limit", shown, "checked at epoch ends: Timer(..., interval='epoch')")
-
-
-class SharedQueueStrategy(HierStrategy):
-    """A strategy whose training batches may be claimed from its server's shared queue (not registered).
-
-    With :attr:`sampler` ``'shared'`` the training DataLoader is re-batched by a
-    :class:`~lightning_hier.algorithms.claim_sampler.ClaimBatchSampler` whose claims go through
-    :meth:`_claim` (the subclass's link to its server), and the server is given
-    :meth:`_claim_queue`. Call :meth:`_check_shared` at set-up, before any claim.
-    """
-
-    sampler: str = "split"
-
-    def _check_sampler(self, sampler: str) -> str:
-        """Check and keep the ``sampler`` argument (``'split'`` or ``'shared'``)."""
-        self.sampler = v.check_choice(type(self).__name__, "sampler", sampler, SAMPLERS)
-        return self.sampler
-
-    def _check_shared(self, trainer: pl.Trainer) -> None:
-        """With ``sampler='shared'``, reject the Trainer options that need equal step counts (every rank alike)."""
-        if self.sampler == "shared":
-            check_shared_trainer(type(self).__name__, trainer)
-
-    @override
-    def process_dataloader(self, dataloader: object) -> object:
-        """With ``sampler='shared'``, the training loader claims its batches from the server's queue."""
-        if self.sampler != "shared" or not self._training_stage:
-            return super().process_dataloader(dataloader)
-        owner = type(self).__name__
-        if not isinstance(dataloader, DataLoader):
-            raise TypeError(f"{owner}: sampler='shared' needs a torch DataLoader, got {type(dataloader).__name__}.")
-        batch_size, on_batch = self._claim_size(dataloader)
-        loader = claim_batch_loader(dataloader, batch_size, self._claim, global_seed(), owner, on_batch)
-        # past any other batching of the bases (DBS's sampler): only the resumable-position wrapping
-        return HierStrategy.process_dataloader(self, loader)
-
-    def _claim_size(self, loader: DataLoader[Any]) -> tuple[int, Callable[[int], None] | None]:
-        """Samples each claim asks for (0: the server's share) and a hook told every batch's size."""
-        if loader.batch_size is None:
-            raise ValueError(
-                f"{type(self).__name__}: sampler='shared' claims batch_size samples at a time, but the training "
-                "DataLoader has none (a custom batch sampler); use DataLoader(dataset, batch_size=...)."
-            )
-        return loader.batch_size, None
-
-    def _claim(self, epoch: int, n: int, num_samples: int) -> tuple[int, int]:
-        """Claim ``n`` samples of ``epoch`` from the server: ``(start, count)`` in the epoch's order."""
-        raise NotImplementedError
-
-    def _fetched_before_setup(self) -> RuntimeError:
-        """The error of a claim before the server exists (Lightning fetched a training batch early)."""
-        return RuntimeError(
-            f"{type(self).__name__}: a training batch was fetched before set-up. With sampler='shared' the training "
-            "loader has no length, and reading trainer.estimated_stepping_batches in configure_optimizers (a "
-            "schedule sized to the whole fit, such as OneCycleLR or a cosine) makes Lightning fetch a batch to find "
-            "the length out. Size the schedule by epochs (an 'epoch' interval) or use sampler='split'."
-        )
-
-    def _claim_queue(self) -> ClaimQueue:
-        """The server's shared queue (built on rank 0 when the server starts)."""
-        return ClaimQueue()

@@ -116,3 +116,19 @@ def muted_logs(module: pl.LightningModule) -> Iterator[None]:
 
 def _ignore(*args: Any, **kwargs: Any) -> None:
     return None
+
+
+def require_automatic_optimization(owner: str, module: pl.LightningModule, why: str) -> None:
+    """Refuse a module under manual optimization (a GAN's several optimizers), saying why.
+
+    Called before anything else looks at the module, so the refusal names the real limit.
+
+    Raises:
+        ValueError: ``module.automatic_optimization`` is False.
+    """
+    if not module.automatic_optimization:
+        raise ValueError(
+            f"{owner} needs automatic optimization with one optimizer, but {type(module).__name__} sets "
+            f"automatic_optimization=False (manual optimization, e.g. a GAN's two optimizers): {why}. Use a "
+            "data-parallel strategy (ddp, hpsgd, localsgd, the GRAWA family, dbs) for such a module."
+        )

@@ -1,7 +1,9 @@
 """Lightning adapter of DBS, performance-aware dynamic batch size (Ji et al. 2019; Ye et al. 2020).
 
 :class:`DBSStrategy` (registered as ``dbs``, ``dbs_spawn``, ``dbs_fork``). The algorithm lives in
-:mod:`lightning_hier.algorithms.dbs`, the batch sampler in :mod:`lightning_hier.algorithms.dbs_sampler`.
+:mod:`lightning_hier.algorithms.dbs`, the batch sampler in :mod:`lightning_hier.algorithms.dbs_sampler`;
+the strategy holds DBS's allocation (:class:`~lightning_hier.sync.SpeedShares`) and its gradient
+rule (:class:`~lightning_hier.sync.ShareWeightedGradients`).
 
 How it plugs into Lightning:
 
@@ -32,23 +34,14 @@ per local batch, as with DDP (then averaged with the batch weights, ``sync_buffe
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import Any
 
-from typing_extensions import override
-
-from lightning_hier.algorithms.dbs import DynamicBatchSize
-from lightning_hier.strategies._base import HierStrategy
-from lightning_hier.strategies._buckets import bucket_arguments, check_bucket_options
-from lightning_hier.strategies._dbs_shares import DBSShares
-
-if TYPE_CHECKING:
-    from collections.abc import Callable
-
-    from torch import nn
-    from torch.optim import Optimizer
+from lightning_hier.strategies.adapter import HierStrategy
+from lightning_hier.sync.dbs import ShareWeightedGradients, SpeedShares
 
 
-class DBSStrategy(DBSShares, HierStrategy):
+class DBSStrategy(HierStrategy):
     """Dynamic batch size: a fixed global batch split over the ranks in proportion to their speed.
 
     Every rank keeps the same model (synchronous SGD); a slow rank gets a smaller share of each
@@ -93,7 +86,7 @@ class DBSStrategy(DBSShares, HierStrategy):
         sync_buffers: Average floating-point buffers (BatchNorm statistics) with the same weights
             at every step, so every rank holds the same model.
         bucket_size_mb: Size bound of the flat gradient buffers reduced in one call (MiB, >= 0.001).
-        **kwargs: See :class:`~lightning_hier.strategies._base.HierStrategy` (``timeout``,
+        **kwargs: See :class:`~lightning_hier.strategies.HierStrategy` (``timeout``,
             ``start_method``, ...).
 
     Example:
@@ -107,38 +100,31 @@ class DBSStrategy(DBSShares, HierStrategy):
 
     strategy_name = "dbs"
 
-    def __init__(self, sync_buffers: bool = True, bucket_size_mb: float = 25.0, **kwargs: Any) -> None:
-        super().__init__(**kwargs)  # DBSShares: the share arguments above; then HierStrategy's
-        self.sync_buffers, self.bucket_size_mb = check_bucket_options(type(self).__name__, sync_buffers, bucket_size_mb)
-
-    @property
-    def algorithm(self) -> DynamicBatchSize | None:
-        """The DBS state machine (``None`` until fitting): :attr:`shares`, which also reduces the gradients."""
-        return self.shares
-
-    @override
-    def _shares_arguments(self, module: nn.Module) -> dict[str, Any]:
-        return dict(bucket_arguments(module, self.sync_buffers, self.bucket_size_mb))
-
-    @override
-    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        algorithm = self.shares
-        assert algorithm is not None
-
-        def closure_and_reduce() -> Any:
-            output = closure()
-            algorithm.reduce_gradients()
-            return output
-
-        output = super().optimizer_step(optimizer, closure_and_reduce, model, **kwargs)
-        algorithm.end_step()
-        return output
-
-    # ------------------------------------------------------------------ checkpoints
-    @override
-    def _algorithm_state(self) -> dict[str, Any]:
-        return self._shares_state()
-
-    @override
-    def _load_algorithm_state(self, state: dict[str, Any]) -> None:
-        self._load_shares_state(state)
+    def __init__(
+        self,
+        global_batch_size: int | None = None,
+        rebalance_every: int = 20,
+        ema: float = 0.5,
+        min_batch_size: int = 1,
+        max_batch_size: int | None = None,
+        warmup_steps: int = 5,
+        initial_sizes: Sequence[int] | None = None,
+        timer: str = "wall",
+        sync_buffers: bool = True,
+        bucket_size_mb: float = 25.0,
+        **kwargs: Any,
+    ) -> None:
+        owner = type(self).__name__
+        shares = SpeedShares(
+            global_batch_size,
+            rebalance_every,
+            ema,
+            min_batch_size,
+            max_batch_size,
+            warmup_steps,
+            initial_sizes,
+            timer,
+            owner=owner,
+        )
+        sync = ShareWeightedGradients(shares, sync_buffers, bucket_size_mb, owner)
+        super().__init__(sync=sync, allocation=shares, **kwargs)

@@ -10,26 +10,15 @@ allocation (measured speed, batch shares, the DBS sampler, rebalancing) driving 
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import Any
 
-from typing_extensions import override
-
-from lightning_hier.algorithms.claim_sampler import ClaimQueue, ServerShares
-from lightning_hier.algorithms.ps_link import served_workers
-from lightning_hier.algorithms.ps_rules import AsgdHandler, SoftsyncHandler
-from lightning_hier.strategies._ps_adapter import HandlerFactory
-from lightning_hier.strategies.dbs import DBSStrategy
-from lightning_hier.strategies.param_server import ParameterServerWorker, check_softsync_n, check_softsync_workers
-
-if TYPE_CHECKING:
-    import lightning.pytorch as pl
-    from torch import nn
-    from torch.optim import Optimizer
-    from torch.utils.data import DataLoader
+from lightning_hier.strategies.adapter import HierStrategy
+from lightning_hier.sync.dbs import SpeedShares
+from lightning_hier.sync.param_server import ServerSync
 
 
-class AsyncDBSStrategy(ParameterServerWorker, DBSStrategy):
+class AsyncDBSStrategy(HierStrategy):
     """DBS-SGD, asynchronous: speed-proportional batch shares, gradients pushed to an ASGD server on rank 0.
 
     Each rank's gradient (the mean over its ``b_w`` samples) is pushed with the weight
@@ -48,9 +37,11 @@ class AsyncDBSStrategy(ParameterServerWorker, DBSStrategy):
     also runs the server's threads, whose work would otherwise count as rank 0's compute and shrink
     its share (torch's intra-op threads are left out as well: use ``torch.set_num_threads(1)``).
     Everything about the server (consensus,
-    checkpoints, logging, resume not bit-identical) is as for ``asgd``; every argument is
-    :class:`~lightning_hier.strategies.dbs.DBSStrategy`'s (``sync_buffers`` and ``bucket_size_mb``
-    have no effect: nothing is all-reduced, and BatchNorm statistics are rank 0's).
+    checkpoints, logging, resume not bit-identical) is as for ``asgd``; the allocation's arguments
+    are :class:`~lightning_hier.strategies.dbs.DBSStrategy`'s (``global_batch_size``,
+    ``rebalance_every``, ``ema``, ``min_batch_size``, ``max_batch_size``, ``warmup_steps``,
+    ``initial_sizes``, ``timer``; nothing is all-reduced, so ``dbs``'s ``sync_buffers`` and
+    ``bucket_size_mb`` are not taken: BatchNorm statistics are rank 0's).
 
     With ``sampler='shared'`` the workers run freely, as in the paper: each claims its next batch
     from a queue on the server (see :class:`~lightning_hier.strategies.param_server.AsgdStrategy`),
@@ -75,7 +66,7 @@ class AsyncDBSStrategy(ParameterServerWorker, DBSStrategy):
             ``'shared'`` (above).
         n: ``None`` (default): the ASGD server. An integer in ``[1, W]`` (the workers): the
             n-softsync server (``n >= 2`` with ``sampler='shared'``).
-        **kwargs: See :class:`~lightning_hier.strategies.dbs.DBSStrategy`.
+        **kwargs: See :class:`~lightning_hier.strategies.HierStrategy`.
 
     Example:
         >>> import lightning.pytorch as pl
@@ -84,94 +75,38 @@ class AsyncDBSStrategy(ParameterServerWorker, DBSStrategy):
     """
 
     strategy_name = "dbs_async"
-    _claim_batch = 0
 
-    def __init__(self, sampler: str = "split", n: int | None = None, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self._init_server(self.server, sampler)
-        self.n = None if n is None else check_softsync_n(self, n)
-
-    @override
-    def _configure_launcher(self) -> None:
-        super()._configure_launcher()
-        if self.n is not None:
-            check_softsync_workers(self, self.n)
-
-    @override
-    def _handler(self) -> HandlerFactory:
-        n = self.n
-        if n is None:
-            return lambda model, _: AsgdHandler(model)
-        # the pushes carry DBS's weights already: the group's plain mean keeps them
-        return lambda model, workers: SoftsyncHandler(model, workers, n, by_batch_size=False)
-
-    @override
-    def _push_weight(self) -> float:
-        assert self.algorithm is not None
-        return self.world_size * self.algorithm.step_share
-
-    @override
-    def _clock(self) -> str:
-        # every rank reads the same clock, so speeds compare; rank 0's server threads are left out
-        return "thread" if self.timer == "cpu" else self.timer
-
-    @override
-    def _claim_size(self, loader: DataLoader[Any]) -> tuple[int, Callable[[int], None] | None]:
-        allocation = self._training_allocation(loader)
-        self._claim_batch = allocation.global_batch
-        return 0, allocation.take_claimed  # 0: the server sizes each claim
-
-    @override
-    def _claim_speed(self) -> float:
-        return self.shares.meter.estimate if self.shares is not None else 0.0
-
-    @override
-    def _claim_queue(self) -> ClaimQueue:
-        workers = served_workers(self.world_size, self.server)
-        shares = ServerShares(self._claim_batch, workers, self.min_batch_size, self.max_batch_size, self.initial_sizes)
-        return ClaimQueue(shares)
-
-    @override
-    def rebalance_if_due(self) -> dict[str, Any] | None:
-        if self.sampler != "shared":
-            return super().rebalance_if_due()
-        if self.shares is not None and self.shares.due():
-            self.shares.measure()  # the new estimate goes to the server with the next claims
-        return None
-
-    @override
-    def _shares_arguments(self, module: nn.Module) -> dict[str, Any]:
-        # equal iteration times, round trips to the server included, are what equalise the staleness
-        return super()._shares_arguments(module) | {"span": "iteration"}
-
-    @override
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        if self.shares is not None and (batch_idx == 0 or self.ps is None or not self.ps.running):
-            self.shares.restart()  # the time since the last step holds a pause: an epoch's end, validation
-        super().on_train_batch_start(batch, batch_idx)
-
-    @override
-    def _setup_algorithm(self, trainer: pl.Trainer) -> None:
-        DBSStrategy._setup_algorithm(self, trainer)  # the allocation and its callback
-        ParameterServerWorker._setup_algorithm(self, trainer)  # the server and this rank's worker
-
-    @override
-    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        algorithm = self.algorithm
-        assert algorithm is not None
-        # past DBSStrategy's step, which would all-reduce the gradients: the server applies them
-        output = self._step_through_server(
-            optimizer, lambda: super(DBSStrategy, self).optimizer_step(optimizer, closure, model, **kwargs)
+    def __init__(
+        self,
+        global_batch_size: int | None = None,
+        rebalance_every: int = 20,
+        ema: float = 0.5,
+        min_batch_size: int = 1,
+        max_batch_size: int | None = None,
+        warmup_steps: int = 5,
+        initial_sizes: Sequence[int] | None = None,
+        timer: str = "wall",
+        sampler: str = "split",
+        n: int | None = None,
+        **kwargs: Any,
+    ) -> None:
+        owner = type(self).__name__
+        server = ServerSync("asgd" if n is None else "softsync", n, sampler=sampler, owner=owner)
+        shares = SpeedShares(
+            global_batch_size,
+            rebalance_every,
+            ema,
+            min_batch_size,
+            max_batch_size,
+            warmup_steps,
+            initial_sizes,
+            # every rank reads the same clock, so speeds compare; rank 0's server threads are left out
+            "thread" if timer == "cpu" else timer,
+            # equal iteration times, round trips to the server included, are what equalise the staleness
+            span="iteration",
+            server=server,
+            shared=server.sampler == "shared",
+            owner=owner,
         )
-        algorithm.end_step()
-        return output
-
-    @override
-    def _algorithm_state(self) -> dict[str, Any]:
-        return {"dbs": DBSStrategy._algorithm_state(self), "server": ParameterServerWorker._algorithm_state(self)}
-
-    @override
-    def _load_algorithm_state(self, state: dict[str, Any]) -> None:
-        if state:
-            DBSStrategy._load_algorithm_state(self, state["dbs"])
-            ParameterServerWorker._load_algorithm_state(self, state["server"])
+        server.shares = shares
+        super().__init__(sync=server, allocation=shares, **kwargs)

@@ -49,7 +49,8 @@ How it sits in Lightning (decisions, in the order a fit meets them):
   the blocks through the stages, and the last stage's output reaches every stage of the replica, so
   the user's ``validation_step`` runs unchanged on every rank and torchmetrics/``sync_dist``
   reduce over the whole world (each replica counted K times: means are unchanged).
-- **Checkpoints, the end of fit, outside fit**: see :mod:`lightning_hier.strategies._pipeline_stages`.
+- **Checkpoints, the end of fit, outside fit**: the strategy's ``sync`` object,
+  :class:`~lightning_hier.strategies._pipeline_stages.PipelineStages`.
 
 Supported: precision ``32-true``, ``64-true``, ``16-true``, ``bf16-true``; one optimizer stepped once
 per call (not LBFGS); automatic optimization; ``accumulate_grad_batches=1``. ``gradient_clip_algorithm
@@ -67,6 +68,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, Precision
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 from typing_extensions import override
@@ -85,8 +87,9 @@ from lightning_hier.strategies import _pipeline_model as pm
 from lightning_hier.strategies._finite import all_finite
 from lightning_hier.strategies._inter_node import InterNodeLevel, data_levels
 from lightning_hier.strategies._pipeline_loss import TrainingStepLoss
-from lightning_hier.strategies._pipeline_stages import PipelineStagesStrategy
-from lightning_hier.strategies._step_sync import local_sigterm_check
+from lightning_hier.strategies._pipeline_stages import PipelineStages
+from lightning_hier.strategies._user_model import require_automatic_optimization
+from lightning_hier.strategies.adapter import HierStrategy, single_optimizer
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -99,7 +102,7 @@ log = logging.getLogger(__name__)
 SUPPORTED_PRECISION = (Precision, DoublePrecision, HalfPrecision)
 
 
-class DecoupledStrategy(PipelineStagesStrategy):
+class DecoupledStrategy(HierStrategy):
     """Data parallelism x fully decoupled backpropagation: N pipelines of K stages with delayed gradients.
 
     Args:
@@ -132,11 +135,11 @@ class DecoupledStrategy(PipelineStagesStrategy):
             ``N`` replicas; on a multi-node job whose pipelines fit in a node, in two steps (over the
             node's replicas, then across nodes), which equals the flat mean. ``m >= 1``: the
             gradient mean stays inside the node, and the stages of different nodes meet every ``m``
-            of their updates by the ``inter_node`` rule (issue 20). Needs ``num_nodes > 1`` and
+            of their updates by the ``inter_node`` rule. Needs ``num_nodes > 1`` and
             ``K`` dividing the ranks of a node.
         inter_node: The cross-node rule with ``inter_node_every``: ``'localsgd'`` or ``'hpsgd'``
             (see :mod:`lightning_hier.strategies._inter_node`).
-        **kwargs: See :class:`~lightning_hier.strategies._base.HierStrategy` (``timeout``,
+        **kwargs: See :class:`~lightning_hier.strategies.HierStrategy` (``timeout``,
             ``start_method``, ``process_group_backend``).
 
     Example:
@@ -163,8 +166,9 @@ class DecoupledStrategy(PipelineStagesStrategy):
         inter_node: str = "localsgd",
         **kwargs: Any,
     ) -> None:
-        super().__init__(**kwargs)
         owner = type(self).__name__
+        self.inter_level = InterNodeLevel(owner, inter_node_every, inter_node)
+        super().__init__(sync=PipelineStages(self.inter_level), **kwargs)
         self.stages: int | str = pm.check_stages_argument(owner, stages)
         # K: known now when given (or implied by `split`), else chosen per rank once the model is known
         self._num_stages: int | None = self.stages if isinstance(self.stages, int) else None
@@ -180,13 +184,21 @@ class DecoupledStrategy(PipelineStagesStrategy):
         )
         self.beta = v.check_float(owner, "beta", beta, low=0.0, high=1.0, low_inclusive=False)
         self.module_attr = pm.check_module_attr_argument(owner, module_attr)
-        self.inter_level = InterNodeLevel(owner, inter_node_every, inter_node)
         self._found_attr: str | None = None
         self._gradient_group: dist.ProcessGroup | None = None
         self._loss: TrainingStepLoss | None = None
         self.last_reports: list[IterationReport] = []
         """What every stage iteration of the latest training step did (for monitors and tests)."""
-        self._missing_on_load = []
+        self._missing_on_load: list[str] = []
+        self._cut: pm.CutModel | None = None
+        self._example_input: Any = None
+
+    @property
+    def pipeline(self) -> DecoupledPipeline | None:
+        """This rank's stage of the running pipeline (``None`` outside fit)."""
+        stages = self.sync
+        assert isinstance(stages, PipelineStages)
+        return stages.pipeline
 
     @property
     def num_stages(self) -> int:
@@ -201,10 +213,12 @@ class DecoupledStrategy(PipelineStagesStrategy):
 
     @override
     def _resolve_layout(self) -> None:
-        if self._num_stages is not None:
-            return
         module = self.lightning_module
         assert module is not None
+        # the real limit first, before the network is looked for
+        require_automatic_optimization(type(self).__name__, module, "the pipeline steps each stage's optimizer itself")
+        if self._num_stages is not None:
+            return
         attr = self._blocks_attr()
         blocks = len(pm.resolve_blocks(module, attr))
         world = self.world_size
@@ -217,14 +231,13 @@ class DecoupledStrategy(PipelineStagesStrategy):
         )
 
     @override
-    def _configure_launcher(self) -> None:
-        super()._configure_launcher()
-        self.inter_level.check(self.topology)  # before any rank starts (stages='auto': only num_nodes)
+    def _check_layout(self) -> None:
+        super()._check_layout()
+        self.inter_level.check(self.topology)  # before any rank starts (stages='auto': only num_nodes), then on each
 
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        self.inter_level.check(self.topology)  # K is known now, on every rank alike
         if self._gradient_group is None and self.groups.pipe is not None:
             # the activation gradients travel on a connection of their own (DecoupledPipeline's
             # `pipe_group`): sharing one with the activations can double a boundary's transfer time
@@ -267,7 +280,6 @@ class DecoupledStrategy(PipelineStagesStrategy):
             check_stage_count(len(blocks), self.num_stages)
             split = self._choose_split(trainer, blocks, attr)
             self._cut = pm.cut(module, attr, split, self.num_stages, self.topology.coords(self.global_rank).pipe)
-            self._split = self._cut.split
         except ValueError as err:  # the helpers' messages do not name the strategy
             raise ValueError(f"DecoupledStrategy: {err}") from None
         unexpected = [k for k in self._missing_on_load if k not in set(self._cut.foreign_keys())]
@@ -300,26 +312,24 @@ class DecoupledStrategy(PipelineStagesStrategy):
         return known if known is not None else tuple(split)
 
     @override
-    def _setup_algorithm(self, trainer: pl.Trainer) -> None:
+    def _bind_sync(self, trainer: pl.Trainer) -> None:
         module = self.lightning_module
         assert module is not None and self._cut is not None
         stage = self._cut.stage()
-        pm.check_fit_settings(module, trainer.accumulate_grad_batches, self._require_single_optimizer(), stage)
+        pm.check_fit_settings(module, trainer.accumulate_grad_batches, single_optimizer(self), stage)
         # step-wise schedulers advance every iteration, also on stages still waiting for their
         # first gradient; torch would warn that the first learning rate was skipped, which it is not
         warnings.filterwarnings(
             "ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before", category=UserWarning
         )
-        # Lightning's per-step SIGTERM-flag broadcast on the default group would make the start of
-        # every step a barrier of all stages (with one replica the pipe group is the default group,
-        # so it also queues behind the activations on their connection): the stages would lose the
-        # slack the delayed gradients give them. The pipeline's own messages keep the ranks
-        # together, and a signalled rank still stops (see _step_sync)
-        local_sigterm_check(trainer)
+        # no per-step SIGTERM-flag broadcast (PipelineStages.lock_step is False): on the default group
+        # it would make the start of every step a barrier of all stages (with one replica the pipe
+        # group is the default group, so it also queues behind the activations on their connection)
+        # and the stages would lose the slack the delayed gradients give them
         topo, coords = self.topology, self.topology.coords(self.global_rank)
         # periodic across nodes: the per-update mean stays in the node; else node, then across nodes
         levels = (self.groups.data_intra, None) if self.inter_level.enabled else data_levels(self.groups)
-        self.pipeline = DecoupledPipeline(
+        pipeline = DecoupledPipeline(
             stage,
             stage_index=coords.pipe,
             stage_ranks=topo.group_ranks("pipe", self.global_rank),
@@ -335,15 +345,19 @@ class DecoupledStrategy(PipelineStagesStrategy):
             wire_dtype=pm.WIRE_DTYPES[self.wire_dtype],
             timeout=self._timeout,  # gloo bounds point-to-point waits by init_timeout otherwise
         )
-        runner = self.pipeline.runner
+        runner = pipeline.runner
         inter = self.inter_level.build(runner.params, self.groups, float_buffers(runner.module), self.comm_stats)
         if inter is not None:
             runner.adopt(inter.flat)  # the rule moved the stage's parameters into its buckets
+        stages = self.sync
+        assert isinstance(stages, PipelineStages)
+        stages.start(self._cut, pipeline, self._drain, self, self._example_input)
+        super()._bind_sync(trainer)
 
     def _check_stage_gradients(self, grads: list[Tensor]) -> None:
         if not all_finite(grads):
             stage = self.topology.coords(self.global_rank).pipe
-            self._raise_non_finite("gradients", f" (pipeline stage {stage})")
+            self.finite.raise_non_finite(self, "gradients", f" (pipeline stage {stage})")
 
     def _loss_fn(self, module: pl.LightningModule, last: bool) -> Callable[[Tensor, Tensor | None], Tensor]:
         """``module.pipeline_loss`` if defined, else the module's own training_step (see :mod:`._pipeline_loss`)."""
@@ -387,10 +401,8 @@ class DecoupledStrategy(PipelineStagesStrategy):
         assert module is not None
         self.precision_plugin.optimizer_step(self.optimizers[0], model=module, closure=_no_closure)
         self.inter_level.step()  # counts this stage's updates; every inter_node_every of them, across nodes
-        if self.check_finite:
-            self._check_module("parameters", lambda p: p)
+        self.finite.check_parameters(self)
 
-    @override
     def _drain(self) -> list[IterationReport]:
         assert self.pipeline is not None
         reports = self.pipeline.drain(self._apply)
@@ -426,6 +438,37 @@ class DecoupledStrategy(PipelineStagesStrategy):
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         """Run Lightning's closure (our training step, which steps the optimizer); no further step."""
         return closure()
+
+    # ------------------------------------------------------------------ outside fit, and checkpoints
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        module = self.lightning_module
+        fitting = module is not None and module._trainer is not None and module.trainer.state.fn == TrainerFn.FITTING
+        if fitting:
+            return super().distributed_sampler_kwargs
+        # outside fit the whole model is on every rank: plain data parallelism over the world
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The whole ordinary model, assembled from the stages of replica 0 (a collective)."""
+        stages = self.sync
+        assert isinstance(stages, PipelineStages)
+        whole = stages.whole_state_dict(self.topology.coords(self.global_rank).data)
+        return whole if whole is not None else super().lightning_module_state_dict()
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        if self._restored is None:
+            return super().load_model_state_dict(checkpoint, strict)
+        # resuming: this rank's saved state holds its own stage only; the cut in setup() drops the rest
+        module = self.lightning_module
+        assert module is not None
+        missing, unexpected = module.load_state_dict(self._restored["model"], strict=False)
+        if unexpected:
+            raise ValueError(f"DecoupledStrategy: the checkpoint has entries this model lacks: {unexpected[:5]}.")
+        self._missing_on_load = list(missing)
 
 
 def _no_closure() -> None:

@@ -3,45 +3,30 @@
 Dimlioglu and Choromanska, "GRAWA: Gradient-based Weighted Averaging for Distributed Training of
 Deep Learning Models", AISTATS 2024, arXiv 2403.04206. The math is in
 :mod:`lightning_hier.algorithms.grawa`; the round mechanism, schedule, consensus model and
-checkpoints are shared with the other averaging strategies
-(:class:`~lightning_hier.strategies.averaging.AveragingStrategy`).
+checkpoints are the averaging family's rule (:class:`~lightning_hier.sync.AveragingSync`), with a
+probe that re-runs the module's ``training_step`` (:class:`~lightning_hier.strategies._probe.TrainingStepProbe`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
-from torch import Tensor
-from torchmetrics import Metric
 from typing_extensions import override
 
 from lightning_hier import _validate as v
-from lightning_hier.algorithms.centers import CenterPolicy
-from lightning_hier.algorithms.grawa import DEFAULT_BETA, NORMS, VARIANTS, GradientWeightedCenter, probe_grad_norms
-from lightning_hier.algorithms.grawa_async import AsyncGradientWeightedCenter
-from lightning_hier.algorithms.ps_link import require_worker
-from lightning_hier.comm import CommStats, all_reduce_mean_
-from lightning_hier.comm.collectives import Group
-from lightning_hier.strategies._async_rounds import AsyncRounds
-from lightning_hier.strategies._finite import loss_of
-from lightning_hier.strategies._probe import draw, first, fresh_batches_of, isolated_rng
-from lightning_hier.strategies._shared_queue import SharedQueueStrategy
-from lightning_hier.strategies._step_sync import local_sigterm_check
-from lightning_hier.strategies._two_level import TWO_LEVEL_ARGS
-from lightning_hier.strategies._user_model import muted_logs
-from lightning_hier.strategies.averaging import AveragingStrategy
+from lightning_hier.algorithms.claim_sampler import SAMPLERS
+from lightning_hier.algorithms.grawa import DEFAULT_BETA
+from lightning_hier.strategies._probe import PROBES, TrainingStepProbe
+from lightning_hier.strategies.adapter import HierStrategy
+from lightning_hier.sync.averaging import ROUNDS, AveragingSync
+from lightning_hier.sync.levels import TWO_LEVEL_ARGS, Levels
+from lightning_hier.sync.shared_queue import SharedQueue
 
 if TYPE_CHECKING:
-    import lightning.pytorch as pl
     from lightning.fabric.strategies import _StrategyRegistry
 
-PROBES = ("fresh", "batch", "step")
-ROUNDS = ("sync", "async")
 
-
-class GrawaStrategy(SharedQueueStrategy, AveragingStrategy):
+class GrawaStrategy(HierStrategy):
     """GRAWA: every ``tau`` steps, pull each replica toward a center weighted by inverse gradient norms.
 
     Registered as ``grawa`` (variant from the arguments), ``mgrawa`` (``variant='model'``) and
@@ -107,7 +92,7 @@ class GrawaStrategy(SharedQueueStrategy, AveragingStrategy):
         sync_buffers: Average floating-point buffers (BatchNorm statistics) uniformly at every round.
         bucket_size_mb: Size bound of the flat buffers reduced in one call (MiB, >= 0.001).
     {two_level}
-        **kwargs: See :class:`~lightning_hier.strategies._base.HierStrategy`.
+        **kwargs: See :class:`~lightning_hier.strategies.HierStrategy`.
 
     Two levels (``inter_node_every=m``; :class:`~lightning_hier.algorithms.two_level.LevelRounds`):
     with ``intra_node='window'`` a round that is not an ``m``-th one pulls toward the *node's*
@@ -154,34 +139,33 @@ class GrawaStrategy(SharedQueueStrategy, AveragingStrategy):
         intra_node: str = "window",
         **kwargs: Any,
     ) -> None:
-        super().__init__(**kwargs)
         owner = type(self).__name__
-        self.variant = v.check_choice(owner, "variant", variant, VARIANTS)
-        self.beta = v.check_float(owner, "beta", beta, 0.0, 1.0, high_inclusive=False)
-        self.eps = v.check_float(owner, "eps", eps, low=0.0, low_inclusive=False)
-        self.p = v.check_float(owner, "p", p, 0.0, 8.0, low_inclusive=False)
-        self.norm = v.check_choice(owner, "norm", norm, NORMS)
-        self.probe = v.check_choice(owner, "probe", probe, PROBES)
-        self.probe_seed = v.check_int(owner, "probe_seed", probe_seed, minimum=0)
-        self.rounds = v.check_choice(owner, "rounds", rounds, ROUNDS)
-        if self._check_sampler(sampler) == "shared" and self.rounds != "async":
+        probe = v.check_choice(owner, "probe", probe, PROBES)
+        probe_seed = v.check_int(owner, "probe_seed", probe_seed, minimum=0)
+        rounds = v.check_choice(owner, "rounds", rounds, ROUNDS)
+        if v.check_choice(owner, "sampler", sampler, SAMPLERS) == "shared" and rounds != "async":
             raise ValueError(
                 f"{owner}: argument `sampler`='shared' needs rounds='async': with the shared queue the ranks take "
                 "different numbers of steps, and lock-step rounds are collectives every rank must reach at the same "
-                f"step; got rounds={self.rounds!r}. Use rounds='async' or sampler='split'."
+                f"step; got rounds={rounds!r}. Use rounds='async' or sampler='split'."
             )
-        self._async: AsyncRounds | None = None
-        self._fresh: Any = None  # the FreshBatches of every training DataLoader (probe='fresh')
-        self._configure(
+        sync = AveragingSync.grawa(
+            variant,
             tau,
             lam,
             rho,
-            sync_buffers,
-            bucket_size_mb,
-            inter_node_every=inter_node_every,
-            intra_node=intra_node,
-            not_with={"rounds": ("async", "asynchronous rounds talk to one parameter server; use rounds='sync'")},
+            beta,
+            eps,
+            p,
+            norm,
+            rounds,
+            sync_buffers=sync_buffers,
+            bucket_size_mb=bucket_size_mb,
+            levels=Levels(owner, inter_node_every, intra_node),
+            norms=TrainingStepProbe(probe, probe_seed, owner),
+            owner=owner,
         )
+        super().__init__(sync=sync, allocation=SharedQueue(sync, owner) if sampler == "shared" else None, **kwargs)
 
     @classmethod
     @override
@@ -189,153 +173,6 @@ class GrawaStrategy(SharedQueueStrategy, AveragingStrategy):
         cls._register_family(strategy_registry, "grawa")
         cls._register_family(strategy_registry, "mgrawa", variant="model")
         cls._register_family(strategy_registry, "lgrawa", variant="layer")
-
-    @override
-    def _policy(self) -> CenterPolicy:
-        kind = AsyncGradientWeightedCenter if self.rounds == "async" else GradientWeightedCenter
-        return kind(self.variant, self.beta, self.eps, self.p, self.norm)
-
-    @override
-    def _setup_algorithm(self, trainer: pl.Trainer) -> None:
-        super()._setup_algorithm(trainer)
-        if self.rounds == "async" and self.algorithm is not None:
-            local_sigterm_check(trainer)  # else Lightning's per-step broadcast keeps the workers in lock-step
-            self._check_shared(trainer)  # every rank raises the same error, before any claim
-            policy = self.algorithm.policy
-            assert isinstance(policy, AsyncGradientWeightedCenter)
-            claims = self._claim_queue if self.sampler == "shared" else None
-            self._async = AsyncRounds.start(self.topology, self.algorithm.flat, self.variant, self._timeout, claims)
-            policy.connect(require_worker(self._async).call, self.barrier)
-
-    @override
-    def _claim(self, epoch: int, n: int, num_samples: int) -> tuple[int, int]:
-        link = self._async  # looked up at each claim: the loader may be built before set-up (an LR schedule)
-        if link is None:
-            raise self._fetched_before_setup()
-        with self.comm_stats.blocked():
-            return link.claim(epoch, n, num_samples)
-
-    @override
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        super().on_train_batch_start(batch, batch_idx)
-        if self._async is not None:
-            self._async.resume()  # paused at the last consensus (validation, checkpoint)
-
-    @contextmanager
-    @override
-    def _consensus(self) -> Iterator[None]:
-        if self._async is not None:
-            self._async.resume()  # a second consensus at the same point (validation, then a checkpoint) asks again
-        with super()._consensus():
-            if self._async is not None:
-                self._async.pause()  # every rank has read the server's center: no rank reports until training goes on
-            yield
-
-    @override
-    def _finalize_algorithm(self) -> None:
-        super()._finalize_algorithm()  # the final reports and the server's center
-        if self._async is not None:
-            self._async.pause()
-            self.last_metrics.update(self._async.metrics())
-
-    @override
-    def on_train_end(self) -> None:
-        super().on_train_end()  # the final round (finish_training) comes first
-        if self._async is not None:
-            # kept after it stops: a checkpoint saved after fit still holds the server's table
-            self._async.pause()
-
-    @override
-    def _algorithm_state(self) -> dict[str, Any]:
-        state = super()._algorithm_state()
-        if self._async is not None and self._async.server is not None:
-            state["server"] = self._async.server.state_dict()  # rank 0 keeps every rank's latest replica
-        return state
-
-    @override
-    def _load_algorithm_state(self, state: dict[str, Any]) -> None:
-        super()._load_algorithm_state(state)
-        if self._async is not None and "server" in state:
-            self._async.load_server_state(state["server"])
-
-    @override
-    def on_train_start(self) -> None:
-        super().on_train_start()
-        module = self.lightning_module
-        if self.probe == "fresh" and module is not None:
-            # the training DataLoaders exist from here on (Lightning set them up before this hook)
-            loaders = module.trainer.train_dataloader
-            self._fresh = fresh_batches_of(loaders, self.probe_seed, self.global_rank, type(self).__name__)
-
-    @override
-    def _norms(self) -> Callable[[], Tensor] | None:
-        if self.probe == "step" or self.algorithm is None:
-            return None
-        params, module = self.algorithm.flat.tensors, self.lightning_module
-        assert module is not None
-        loss = self._fresh_probe_loss if self.probe == "fresh" else self._batch_probe_loss
-        if self.two_level and self.intra_node == "step":  # one weight per node: its ranks' mean norms
-            group, stats = self.groups.data_intra, self.comm_stats
-            return lambda: _node_mean(probe_grad_norms(params, loss, module.buffers()), group, stats)
-        return lambda: probe_grad_norms(params, loss, module.buffers())
-
-    def _batch_probe_loss(self) -> Tensor:
-        """The training loss of the round's last batch at the current weights (probe='batch')."""
-        if self._step_args is None:
-            raise RuntimeError("GrawaStrategy(probe='batch'): no training batch seen yet.")
-        args, kwargs = self._step_args
-        return self._training_loss(args, kwargs)
-
-    def _fresh_probe_loss(self) -> Tensor:
-        """The training loss of a batch drawn from the whole training set (probe='fresh').
-
-        The batch and every random draw of the probe (augmentation, dropout) come from the seed of
-        ``(probe_seed, rank, optimizer steps so far)``; the training RNG streams are put back after.
-        """
-        if self._fresh is None or self.algorithm is None:
-            raise RuntimeError("GrawaStrategy(probe='fresh'): the training DataLoaders are not set up yet.")
-        step = self.algorithm.schedule.steps
-        with isolated_rng(first(self._fresh).seed_for(step)):
-            batch = self.batch_to_device(draw(self._fresh, step))  # the module's transfer hooks, as in training
-            rest: tuple[Any, ...] = (0,)  # batch_idx: that of the latest training batch when there is one
-            kwargs: dict[str, Any] = {}
-            if self._step_args is not None:
-                (_, *others), kwargs = self._step_args
-                rest = tuple(others)
-            return self._training_loss((batch, *rest), kwargs)
-
-    def _training_loss(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tensor:
-        """``training_step(*args, **kwargs)``'s loss, as a side computation (nothing logged, metrics kept)."""
-        module = self.lightning_module
-        assert module is not None
-        with _side_effect_free(module), self.precision_plugin.train_step_context():
-            loss = loss_of(module.training_step(*args, **kwargs))
-        if loss is None:
-            raise RuntimeError(
-                f"GrawaStrategy(probe={self.probe!r}): training_step returned no loss tensor; use probe='step'."
-            )
-        return loss
-
-
-def _node_mean(norms: Tensor, group: Group, stats: CommStats) -> Tensor:
-    """The mean of the node's probed norms (``intra_node='step'``: a node's replicas are one)."""
-    all_reduce_mean_([norms], group, stats)
-    return norms
-
-
-@contextmanager
-def _side_effect_free(module: pl.LightningModule) -> Iterator[None]:
-    """Re-run a LightningModule hook as a side computation: nothing logged, torchmetrics states kept."""
-    metrics = [m for m in module.modules() if isinstance(m, Metric)]
-    saved = [(m._copy_state_dict(), m._update_count, m._computed, m._forward_cache) for m in metrics]
-    try:
-        with muted_logs(module):
-            yield
-    finally:
-        for metric, (state, count, computed, cache) in zip(metrics, saved, strict=True):
-            for name, value in state.items():
-                setattr(metric, name, value)
-            metric._update_count, metric._computed, metric._forward_cache = count, computed, cache
 
 
 GrawaStrategy.__doc__ = (GrawaStrategy.__doc__ or "").replace("    {two_level}", TWO_LEVEL_ARGS.format(unit="round"))

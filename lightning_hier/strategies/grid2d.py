@@ -9,8 +9,7 @@ model and grid chooser in :mod:`lightning_hier.planner`.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -22,9 +21,8 @@ from typing_extensions import override
 
 from lightning_hier import _validate as v
 from lightning_hier.algorithms.averaging import float_buffers
-from lightning_hier.comm import all_reduce_mean_, broadcast_, broadcast_object
+from lightning_hier.comm import broadcast_, broadcast_object
 from lightning_hier.layers import (
-    GradientReducer,
     GridCommStats,
     GridContext,
     full_state_dict,
@@ -36,16 +34,22 @@ from lightning_hier.layers import (
 from lightning_hier.planner import Link, Links, best_grid, format_table, measure_links, model_layers, plan_grids
 from lightning_hier.rng import capture_rng, restore_rng
 from lightning_hier.strategies import _checkpoint as ckpt
-from lightning_hier.strategies._base import HierStrategy
 from lightning_hier.strategies._grid_inputs import check_grid, input_shape, lookup, network_path
+from lightning_hier.strategies._grid_sync import GridSync
 from lightning_hier.strategies._inter_node import InterNodeLevel
 from lightning_hier.strategies._launchers import _ReportingLauncher
-from lightning_hier.strategies._user_model import describe, find_network, first_input, first_training_batch
+from lightning_hier.strategies._user_model import (
+    describe,
+    find_network,
+    first_input,
+    first_training_batch,
+    require_automatic_optimization,
+)
+from lightning_hier.strategies.adapter import HierStrategy, single_optimizer
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
     from lightning.fabric.utilities.types import _PATH
-    from torch.optim import Optimizer
 
 log = logging.getLogger(__name__)
 
@@ -82,14 +86,14 @@ class Grid2DStrategy(HierStrategy):
         beta: Seconds per word for ``'auto'``; ``None`` measures it.
         max_model: Largest Pr ``'auto'`` may choose (``None``: any); with a given ``grid`` it may not be below its Pr.
         inter_node_every: ``None`` (default): one grid over every rank. ``m >= 1``: two levels (a
-            multi-node job, issue 20): the grid's MODEL dimension and its per-step BATCH gradient
+            multi-node job): the grid's MODEL dimension and its per-step BATCH gradient
             reduction stay inside each node (the node's ``Pc / num_nodes`` batch blocks), and the
             node replicas meet every ``m`` optimizer steps across nodes by the ``inter_node`` rule.
             ``Pr`` must divide the ranks of a node (``'auto'`` then plans the node's grid).
         inter_node: The cross-node rule: ``'localsgd'`` (mean of the node replicas every ``m``
             steps) or ``'hpsgd'`` (HPSGD with window ``m``: the change's all-reduce overlaps the next
             window). See :mod:`lightning_hier.strategies._inter_node`.
-        **kwargs: See :class:`~lightning_hier.strategies._base.HierStrategy` (``timeout``,
+        **kwargs: See :class:`~lightning_hier.strategies.HierStrategy` (``timeout``,
             ``start_method``, ...).
 
     Requirements and limits (checked with a clear error): one optimizer, element-wise (SGD, Adam,
@@ -117,8 +121,9 @@ class Grid2DStrategy(HierStrategy):
         inter_node: str = "localsgd",
         **kwargs: Any,
     ) -> None:
-        super().__init__(**kwargs)
         owner = type(self).__name__
+        self.inter_level = InterNodeLevel(owner, inter_node_every, inter_node)
+        super().__init__(sync=GridSync(self.inter_level), **kwargs)
         self._grid = check_grid(owner, grid)
         self.alpha = None if alpha is None else v.check_float(owner, "alpha", alpha, low=0.0)
         self.beta = None if beta is None else v.check_float(owner, "beta", beta, low=0.0)
@@ -132,11 +137,9 @@ class Grid2DStrategy(HierStrategy):
                 f"{owner}: argument `max_model`={self.max_model} is below Pr={self._grid[0]} of grid={grid!r}; "
                 "max_model bounds what grid='auto' may choose: leave it None with a given grid, or give grid='auto'."
             )
-        self.inter_level = InterNodeLevel(owner, inter_node_every, inter_node)
         self.grid_stats = GridCommStats()
         self.comm_stats = self.grid_stats
         self.grid_context: GridContext | None = None
-        self.reducer: GradientReducer | None = None
         self._first_input: Tensor | None = None
 
     # ------------------------------------------------------------------ layout
@@ -165,6 +168,10 @@ class Grid2DStrategy(HierStrategy):
 
     @override
     def _resolve_layout(self) -> None:
+        module = self.lightning_module
+        assert module is not None
+        # the real limit first, before the network is traced
+        require_automatic_optimization(type(self).__name__, module, "the grid reduces each shard's gradients itself")
         if self._grid is not None:
             return
         if self.world_size == 1:
@@ -254,6 +261,9 @@ class Grid2DStrategy(HierStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         if self._grid is None:
             self._grid_from_first_batch(trainer)
+        grid = self.sync
+        assert isinstance(grid, GridSync) and self.lightning_module is not None
+        grid.start(self.lightning_module, self.grid_context, self.grid_stats)
         super().setup(trainer)
 
     # ------------------------------------------------------------------ model set-up
@@ -307,75 +317,23 @@ class Grid2DStrategy(HierStrategy):
             restore_rng(broadcast_object(capture_rng(), g.model_ranks[0], g.model_group))
 
     @override
-    def _setup_algorithm(self, trainer: pl.Trainer) -> None:
-        self._require_single_optimizer()
+    def _bind_sync(self, trainer: pl.Trainer) -> None:
+        single_optimizer(self)
         if trainer.gradient_clip_val and trainer.gradient_clip_algorithm != "value":
             raise NotImplementedError(
                 f"{type(self).__name__}: gradient clipping by norm would use each rank's shard norm; use "
                 "gradient_clip_algorithm='value', or no clipping."
             )
+        super()._bind_sync(trainer)  # the grid's reducer
         module = self.lightning_module
-        assert module is not None and self.grid_context is not None
-        self.reducer = GradientReducer(module, self.grid_context)
+        assert module is not None
         self.inter_level.build(module.parameters(), self.groups, float_buffers(module), self.comm_stats)
-
-    @override
-    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        reducer = self.reducer
-        assert reducer is not None
-
-        def backward_and_reduce() -> Any:
-            out = closure()
-            reducer.reduce()  # after backward, before clipping and the step
-            return out
-
-        output = super().optimizer_step(optimizer, backward_and_reduce, model, **kwargs)
-        self.inter_level.step()  # across nodes, every inter_node_every steps
-        self._log({"comm/wire_bytes": self.grid_stats.wire_bytes})
-        return output
-
-    # ------------------------------------------------------------------ consensus and checkpoints
-    @contextmanager
-    @override
-    def _consensus(self) -> Iterator[None]:
-        with self.inter_level.consensus():  # the mean of the node replicas first (buffers included)
-            buffers = self._block_buffers()
-            saved = [b.clone() for b in buffers]
-            self._average_buffers(buffers)
-            try:
-                yield
-            finally:
-                with torch.no_grad():
-                    for b, s in zip(buffers, saved, strict=True):
-                        b.copy_(s)
-
-    @override
-    def _finalize_algorithm(self) -> None:
-        self.inter_level.finalize()
-        self._average_buffers(self._block_buffers())
-
-    @override
-    def _algorithm_state(self) -> dict[str, Any]:
-        return self.inter_level.state_dict()
-
-    @override
-    def _load_algorithm_state(self, state: dict[str, Any]) -> None:
-        self.inter_level.load_state_dict(state)
-
-    def _block_buffers(self) -> list[Tensor]:
-        g, module = self.grid_context, self.lightning_module
-        return float_buffers(module) if g is not None and g.batch_group is not None and module is not None else []
-
-    def _average_buffers(self, buffers: list[Tensor]) -> None:
-        if buffers and self.grid_context is not None:
-            with torch.no_grad():
-                all_reduce_mean_(buffers, self.grid_context.batch_group, self.comm_stats)
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The ordinary network's state (sharded weights gathered): loads into the unsharded model."""
         assert self.lightning_module is not None
-        with self._consensus():
+        with self.sync.consensus():
             return ckpt.detach_state(full_state_dict(self.lightning_module))
 
     @override
@@ -394,11 +352,15 @@ class Grid2DStrategy(HierStrategy):
             load_full_state_dict(self.lightning_module, checkpoint["state_dict"], strict)
 
     @override
+    def _check_layout(self) -> None:
+        super()._check_layout()
+        self.inter_level.check(self.topology)  # before any rank starts (grid='auto': only num_nodes is known)
+
+    @override
     def _configure_launcher(self) -> None:
         super()._configure_launcher()
-        self.inter_level.check(self.topology)  # before any rank starts (with grid='auto': only num_nodes is known)
         if isinstance(self._launcher, _ReportingLauncher):
-            self._launcher = self._reporting_launcher(self._start_method, _GridLauncher)
+            self._launcher = self.guard.launcher(self, self._start_method, _GridLauncher, self.check_fit_arguments)
 
 
 class _GridLauncher(_ReportingLauncher):

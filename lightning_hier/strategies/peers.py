@@ -56,12 +56,11 @@ from lightning_hier import _validate as v
 from lightning_hier.comm import all_reduce_mean_
 from lightning_hier.comm.rendezvous import init_default_group
 from lightning_hier.strategies import _finish
-from lightning_hier.strategies._base import BACKENDS, DEFAULT_INIT_TIMEOUT_S, DEFAULT_TIMEOUT_S, _check_timeout
-from lightning_hier.strategies._buckets import check_bucket_mb
-from lightning_hier.strategies._failure import FailureHandling
-from lightning_hier.strategies._finish import FinishOnce
-from lightning_hier.strategies._finite import FiniteChecks
+from lightning_hier.strategies._failure import FailureGuard
+from lightning_hier.strategies._finite import FiniteGuard, loss_of
 from lightning_hier.strategies._registry import register_family
+from lightning_hier.strategies.adapter import BACKENDS, DEFAULT_INIT_TIMEOUT_S, DEFAULT_TIMEOUT_S, check_timeout
+from lightning_hier.sync.buckets import check_bucket_mb
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -80,7 +79,7 @@ MIN_WARMUP = {"post_local_sgd": 0, "powersgd": 2}
 _SET_BY_HOOK = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper")
 
 
-class DDPCommHookStrategy(FinishOnce, FiniteChecks, FailureHandling, DDPStrategy):
+class DDPCommHookStrategy(DDPStrategy):
     """Lightning's DDP with a torch communication hook (PostLocalSGD, PowerSGD or fp16), on any device.
 
     Args:
@@ -126,7 +125,7 @@ class DDPCommHookStrategy(FinishOnce, FiniteChecks, FailureHandling, DDPStrategy
         **kwargs: Any,
     ) -> None:
         owner = type(self).__name__
-        self.check_finite = v.check_bool(owner, "check_finite", check_finite)
+        self.finite = FiniteGuard(v.check_bool(owner, "check_finite", check_finite), owner)
         self.hook = v.check_choice(owner, "hook", hook, HOOKS)
         self.model_averaging_period = _only_for(
             owner, hook, "post_local_sgd", "model_averaging_period", model_averaging_period, DEFAULT_PERIOD
@@ -144,11 +143,18 @@ class DDPCommHookStrategy(FinishOnce, FiniteChecks, FailureHandling, DDPStrategy
         super().__init__(
             ddp_comm_hook=_HOOK_FUNCTIONS[hook],
             model_averaging_period=self.model_averaging_period,
-            timeout=_check_timeout(owner, "timeout", timeout),
+            timeout=check_timeout(owner, "timeout", timeout),
             start_method=start_method,
             process_group_backend=process_group_backend,
             **kwargs,
         )
+        self.guard = FailureGuard(self._timeout)
+        self._finish = _finish.Finish()
+
+    @property
+    def check_finite(self) -> bool:
+        """Whether the non-finite guard is on."""
+        return self.finite.enabled
 
     @classmethod
     @override
@@ -164,7 +170,7 @@ class DDPCommHookStrategy(FinishOnce, FiniteChecks, FailureHandling, DDPStrategy
     def _configure_launcher(self) -> None:
         super()._configure_launcher()
         if isinstance(self._launcher, _MultiProcessingLauncher):
-            self._launcher = self._reporting_launcher(self._start_method)
+            self._launcher = self.guard.launcher(self, self._start_method)
 
     @override
     def setup_distributed(self) -> None:
@@ -189,12 +195,36 @@ class DDPCommHookStrategy(FinishOnce, FiniteChecks, FailureHandling, DDPStrategy
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        self._start_failure_board()
+        self.guard.start(self)
 
     @override
     def teardown(self) -> None:
-        self._stop_failure_board()
+        self.guard.stop()
         super().teardown()
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        super().on_exception(exception)
+        self.guard.on_exception(exception, self.launcher)
+
+    # ------------------------------------------------------------------ the non-finite guard
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().training_step(*args, **kwargs)
+        self.finite.check_loss(self, loss_of(output))  # before backward: DDP's hooks reduce during it
+        return output
+
+    @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        output: torch.Tensor = super().backward(closure_loss, optimizer, *args, **kwargs)
+        self.finite.check_gradients(self)
+        return output
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self.finite.check_parameters(self)
+        return output
 
     # ------------------------------------------------------------------ the DDP wrapper and its hook
     @override
@@ -248,12 +278,29 @@ class DDPCommHookStrategy(FinishOnce, FiniteChecks, FailureHandling, DDPStrategy
         if self.hook == "post_local_sgd" and trainer.state.fn == TrainerFn.FITTING:
             _finish.install(trainer)
 
-    @override
-    def _finalize_algorithm(self) -> None:
+    def finish_training(self) -> None:
         """Average the post-local SGD replicas once, after the last optimizer step (a collective)."""
+        self._finish(self._average_replicas)
+
+    def _average_replicas(self) -> None:
         if self.hook == "post_local_sgd" and self.lightning_module is not None:
             with torch.no_grad():
                 all_reduce_mean_([p.data for p in self.lightning_module.parameters()], dist.group.WORLD)
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        self._finish.rearm()
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        self._finish.rearm()  # training goes on: the replicas may differ again
+
+    @override
+    def on_train_end(self) -> None:
+        self.finish_training()  # a no-op unless a stop came that FinishFit did not predict
+        super().on_train_end()
 
 
 _HOOK_FUNCTIONS: dict[str, Callable[..., torch.futures.Future[torch.Tensor]]] = {

@@ -70,6 +70,9 @@ def test_experiment_presets_compose(option):
     assert cfg.trainer.max_epochs >= 1
 
 
+OBJECTS = {"sync", "allocation"}  # the adapter's objects, which a registered strategy builds from its arguments
+
+
 def _constructor_args(cls: type) -> set[str]:
     names: set[str] = set()
     for klass in cls.__mro__:
@@ -78,7 +81,7 @@ def _constructor_args(cls: type) -> set[str]:
         if "__init__" in vars(klass):
             params = inspect.signature(klass.__init__).parameters.values()
             names |= {p.name for p in params if p.kind is p.KEYWORD_ONLY or p.kind is p.POSITIONAL_OR_KEYWORD}
-    return names - {"self"} - LIGHTNING_PLUMBING
+    return names - {"self"} - LIGHTNING_PLUMBING - OBJECTS
 
 
 def _our_registry_names() -> dict[str, type]:

@@ -30,7 +30,7 @@ def test_the_readme_yaml_sets_the_strategy_class_and_arguments_and_fits(tmp_path
     args = ["fit", "--config", str(path), "--trainer.max_epochs=1", f"--trainer.default_root_dir={tmp_path}"]
     cli = main([*args, *QUIET])
     strategy = cli.trainer.strategy
-    assert isinstance(strategy, HPSGDStrategy) and strategy.window == 4
+    assert isinstance(strategy, HPSGDStrategy) and strategy.sync.window == 4
     assert isinstance(cli.datamodule, DigitsDataModule) and cli.datamodule.batch_size == 32
     metrics = cli.trainer.callback_metrics  # returned by the fork launcher (the loop counters are not)
     assert float(metrics["hpsgd/window"]) == 4 and float(metrics["val/acc"]) > 0.5
@@ -40,7 +40,7 @@ def test_short_class_name_with_flags_and_a_registered_name(tmp_path):
     flags = ["--trainer.strategy=HPSGDStrategy", "--trainer.strategy.window=3", "--trainer.strategy.merge=paper"]
     cli = main([*flags, f"--trainer.default_root_dir={tmp_path}", *QUIET], run=False)
     assert isinstance(cli.trainer.strategy, HPSGDStrategy)
-    assert (cli.trainer.strategy.window, cli.trainer.strategy.merge) == (3, "paper")
+    assert (cli.trainer.strategy.sync.window, cli.trainer.strategy.sync.merge) == (3, "paper")
     assert isinstance(cli.model, NetworkClassifier)  # default data: digits, its shape linked into the model
 
     named = main(["--trainer.strategy=localsgd_fork", f"--trainer.default_root_dir={tmp_path}", *QUIET], run=False)

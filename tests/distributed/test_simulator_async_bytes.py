@@ -17,7 +17,7 @@ from lightning_hier.algorithms.ps_service import connect
 from lightning_hier.comm import CommStats
 from lightning_hier.planner import Link
 from lightning_hier.simulator import Cluster, Workload, predict
-from lightning_hier.strategies._ps_adapter import PSAdapter
+from lightning_hier.sync.ps_adapter import PSAdapter
 from lightning_hier.testing import run_workers
 from lightning_hier.topology import Topology
 

@@ -11,6 +11,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_hier import DBSStrategy
 from lightning_hier.callbacks import DBSCallback, Straggler
 from lightning_hier.models import Classifier, mlp
+from lightning_hier.sync import SpeedShares
 from lightning_hier.testing import WorkerFailed, run_workers
 from tests.helpers import ParamRecorder, assert_resumed_run_matches, digits, digits_classifier, flat_params, trainer
 
@@ -51,8 +52,8 @@ def _fit_dbs(accumulate: int, distributed_sampler: bool, n: int = N, drop_last: 
     x, y = _data()
     loader = DataLoader(TensorDataset(x[:n], y[:n]), batch_size=5, shuffle=distributed_sampler, drop_last=drop_last)
     t.fit(module, loader)
-    assert strategy.algorithm is not None
-    return {"params": flat_params(module), "history": strategy.algorithm.history, "sizes": sizes.sizes}
+    assert strategy.allocation.dbs is not None
+    return {"params": flat_params(module), "history": strategy.allocation.dbs.history, "sizes": sizes.sizes}
 
 
 def _reference(accumulate: int, shuffle: bool, n: int = N, drop_last: bool = False) -> torch.Tensor:
@@ -161,7 +162,8 @@ def _fit_digits(strategy: object, callbacks: list) -> dict:
     t.fit(module, datamodule=dm)
     logged = {k: float(v) for k, v in t.callback_metrics.items() if k.startswith("dbs/")}
     acc = t.validate(module, datamodule=dm, verbose=False)[0]["val/acc"]
-    algorithm = getattr(t.strategy, "algorithm", None)
+    shares = getattr(t.strategy, "allocation", None)
+    algorithm = shares.dbs if isinstance(shares, SpeedShares) else None
     return {
         "acc": acc,
         "params": flat_params(module),
@@ -218,7 +220,7 @@ def _fit_with_checkpoints(ckpt_dir: str, resume: str | None, global_batch: int |
 
     class Snapshot(Callback):
         def on_train_start(self, trainer, pl_module) -> None:
-            restored.update(strategy.algorithm.state_dict())
+            restored.update(strategy.allocation.dbs.state_dict())
 
     t.callbacks.append(Snapshot())
     t.fit(module, datamodule=digits(batch_size=64, augment=True), ckpt_path=resume)
@@ -229,7 +231,7 @@ def test_resume_restores_the_split_and_estimates_and_continues_bit_identically(t
     # 11 steps per epoch; rebalances after steps 12, 22 and 32; the checkpoint of epoch 1 is at step 22
     full = run_workers(_fit_with_checkpoints, str(tmp_path / "a"), None, devices=2)
     ckpt_path = tmp_path / "a" / "epoch=1.ckpt"
-    saved = [r["algorithm"] for r in torch.load(ckpt_path, weights_only=True)["lightning_hier"]["ranks"]]
+    saved = [r["allocation"] for r in torch.load(ckpt_path, weights_only=True)["lightning_hier"]["ranks"]]
     assert saved[0]["sizes"] == saved[1]["sizes"] != [64, 64]  # a measured, unequal split
     assert saved[0]["steps"] == 22 and saved[0]["meter"]["estimate"] > 0 and saved[1]["meter"]["estimate"] > 0
     resumed = run_workers(_fit_with_checkpoints, str(tmp_path / "b"), str(ckpt_path), devices=2)
@@ -377,7 +379,7 @@ def test_a_learning_rate_schedule_does_not_bypass_the_dbs_sampler():
     def fit() -> tuple[int, list[int]]:
         t = trainer(strategy=DBSStrategy(timeout=30, warmup_steps=0, rebalance_every=5), max_epochs=1)
         t.fit(digits_classifier(scheduler="cosine", warmup_steps=3), datamodule=digits(batch_size=32))
-        return t.global_step, t.strategy.algorithm.allocation.sizes
+        return t.global_step, t.strategy.allocation.dbs.allocation.sizes
 
     (steps0, sizes0), (steps1, sizes1) = run_workers(fit, devices=2)
     assert steps0 == steps1 == 1437 // 64 and sum(sizes0) == 64 and sizes0 == sizes1

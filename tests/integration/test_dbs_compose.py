@@ -88,8 +88,8 @@ def _fit_straggler(name: str) -> dict[str, Any]:
     t = trainer(strategy=strategy, max_epochs=2, limit_val_batches=0)
     t.callbacks.append(Straggler(ranks=1, factor=3.0, mode="spin"))
     t.fit(module, datamodule=digits(batch_size=64))  # the global batch of 128
-    assert strategy.shares is not None
-    return {"history": strategy.shares.history, "params": flat_params(module), "steps": t.global_step}
+    assert strategy.allocation.dbs is not None
+    return {"history": strategy.allocation.dbs.history, "params": flat_params(module), "steps": t.global_step}
 
 
 @pytest.mark.parametrize("name", ["dbs_hpsgd", "dbs_localsgd"])
@@ -115,8 +115,8 @@ def _fit_two_nodes(name: str) -> dict[str, Any]:
     t = trainer(strategy=strategy, devices=2, num_nodes=2, max_epochs=2, limit_val_batches=0)
     t.callbacks.append(Straggler(ranks=[2, 3], factor=3.0, mode="spin"))  # node 1 is the slow node
     t.fit(module, datamodule=digits(batch_size=32))  # the global batch of 128 over 4 ranks
-    assert strategy.shares is not None
-    return {"history": strategy.shares.history, "params": flat_params(module), "node": t.node_rank}
+    assert strategy.allocation.dbs is not None
+    return {"history": strategy.allocation.dbs.history, "params": flat_params(module), "node": t.node_rank}
 
 
 @pytest.mark.parametrize("name", ["dbs_hpsgd", "dbs_localsgd"])
@@ -141,11 +141,11 @@ def _fit_hpsgd_options() -> dict[str, Any]:
     t.callbacks.append(Straggler(ranks=1, factor=2.0, mode="spin"))
     x, y = _data()
     t.fit(module, DataLoader(TensorDataset(x, y), batch_size=12, shuffle=True))
-    assert strategy.shares is not None and strategy.algorithm is not None
+    assert strategy.allocation.dbs is not None and strategy.sync.algorithm is not None
     return {
         "params": flat_params(module),
-        "rebalances": strategy.shares.rebalances,
-        "merges": strategy.algorithm.merges,
+        "rebalances": strategy.allocation.dbs.rebalances,
+        "merges": strategy.sync.algorithm.merges,
     }
 
 

@@ -40,7 +40,7 @@ class _SaveAtTrainEnd(Callback):
         self.out = out
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: _ReplicaClassifier) -> None:
-        rounds = trainer.strategy.algorithm.schedule.rounds
+        rounds = trainer.strategy.sync.algorithm.schedule.rounds
         seen = {"end": flat_params(pl_module), "replica": pl_module.replica, "initial": pl_module.initial}
         seen["rounds"] = rounds
         torch.save(seen, self.out / f"rank{trainer.global_rank}.pt")

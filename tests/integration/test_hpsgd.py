@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_hier import HPSGDStrategy
 from lightning_hier.models import Classifier
-from lightning_hier.testing import WorkerFailed, run_workers
+from lightning_hier.testing import run_workers
 from tests.helpers import ParamRecorder, assert_resumed_run_matches, digits, digits_classifier, flat_params, trainer
 from tests.hpsgd_reference import Reference, fixed_merge_steps
 
@@ -43,7 +43,7 @@ class GlobalRecorder(Callback):
         trainer.callbacks.insert(0, self)
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: object) -> None:
-        algo = trainer.strategy.algorithm
+        algo = trainer.strategy.sync.algorithm
         if algo.merges != self._merges:
             self._merges = algo.merges
             self.history.append(torch.cat([t.reshape(-1) for t in algo.global_tensors()]).clone())
@@ -211,7 +211,7 @@ class EvalRecorder(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: object, batch_idx: int, *args: object
     ) -> None:
         if trainer.state.fn == "fit" and batch_idx == 0:
-            finished = not trainer.strategy.algorithm.launched
+            finished = not trainer.strategy.sync.algorithm.launched
             self.seen.append((trainer.global_step, flat_params(pl_module), finished))
 
 
@@ -222,7 +222,7 @@ def test_validation_sees_the_next_merges_global_model_and_the_finished_one_at_th
         t = trainer(strategy=HPSGDStrategy(window=3, timeout=30), max_epochs=2, callbacks=[evals, merges])
         dm = digits(batch_size=64)
         t.fit(module, datamodule=dm)
-        algo = t.strategy.algorithm
+        algo = t.strategy.sync.algorithm
         out = {
             "evals": evals.seen,
             "merges": dict(zip(merges.steps, merges.history, strict=True)),
@@ -308,34 +308,12 @@ def test_resume_continues_bit_identically_and_checkpoint_holds_the_global_model(
     assert not any("replica" in algo[r] for r in range(2))
 
 
-class TwoOptimizers(Classifier):
-    def __init__(self) -> None:
-        super().__init__(nn.Sequential(nn.Flatten(), nn.Linear(64, 10)), 10)
-        self.automatic_optimization = False
-
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        return super().training_step(batch, batch_idx)
-
-    def configure_optimizers(self) -> list[torch.optim.Optimizer]:
-        return [torch.optim.SGD([self.net[1].weight], lr=0.1), torch.optim.SGD([self.net[1].bias], lr=0.1)]
-
-
-def test_multiple_optimizers_are_rejected_clearly():
-    def fit() -> None:
-        trainer(strategy=HPSGDStrategy(timeout=30)).fit(TwoOptimizers(), datamodule=digits(batch_size=64))
-
-    with pytest.raises(
-        WorkerFailed, match="HPSGDStrategy supports exactly one optimizer; configure_optimizers returned 2"
-    ):
-        run_workers(fit, devices=2)
-
-
 def test_poll_mode_ranks_agree_on_every_window():
     def fit() -> dict:
         module = digits_classifier()
         t = trainer(strategy=HPSGDStrategy(window=1, mode="poll", timeout=30), max_epochs=1)
         t.fit(module, datamodule=digits(batch_size=64))
-        return {"params": flat_params(module), "merges": t.strategy.algorithm.merges}
+        return {"params": flat_params(module), "merges": t.strategy.sync.algorithm.merges}
 
     r0, r1 = run_workers(fit, devices=2)
     assert r0["merges"] == r1["merges"] >= 2

@@ -96,28 +96,6 @@ def test_bad_layout_fails_when_the_trainer_is_built_before_any_process_starts():
         pl.Trainer(strategy=_ThreeStages(), accelerator="cpu", devices=2, logger=False)
 
 
-class _TwoOptimizers(pl.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
-        self.automatic_optimization = False
-
-    def training_step(self, batch, batch_idx):
-        return None
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.a.parameters(), lr=0.1), torch.optim.SGD(self.b.parameters(), lr=0.1)
-
-
-def test_multiple_optimizers_are_rejected_clearly():
-    def fit() -> None:
-        data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(8, 2)), batch_size=2)
-        trainer(strategy=LocalSGDStrategy(timeout=30)).fit(_TwoOptimizers(), data)
-
-    with pytest.raises(Exception, match="supports exactly one optimizer; configure_optimizers returned 2"):
-        run_workers(fit, devices=2)
-
-
 def test_package_import_registers_names():
     from lightning.pytorch.strategies import StrategyRegistry
 

@@ -64,13 +64,13 @@ def _fit_sampled(server: str) -> dict:
     strategy = AsgdStrategy(server=server, timeout=30)
     t = trainer(strategy=strategy, devices=3, max_epochs=1, callbacks=[seen], limit_val_batches=3)
     t.fit(module, train, val)
-    assert strategy.ps is not None
+    assert strategy.sync.ps is not None
     return {
         "ids": seen.ids,
         "grads": seen.grads,
         "val": seen.val_params,
         "params": flat_params(module),
-        "stats": strategy.ps.stats(),
+        "stats": strategy.sync.ps.stats(),
     }
 
 

@@ -108,7 +108,7 @@ def _fit_dbs(name: str, ckpt_dir: str, resume: str | None) -> dict:
 def test_dbs_resumes_mid_epoch_with_the_split_of_each_batch(name, tmp_path):
     full, resumed = _full_and_resumed(_fit_dbs, tmp_path, 16, name)
     saved = torch.load(tmp_path / "a" / "step=16.ckpt", weights_only=True)["lightning_hier"]["ranks"][0]
-    shares = saved["algorithm"].get("dbs", saved["algorithm"])  # the composites: beside the averaging's state
+    shares = saved["allocation"]  # DBS's shares: the strategy's allocation object
     (first, equal), (start, measured) = shares["segments"]  # epoch 1's splits
     assert (first, equal, start) == (0, [64, 64], 2) and measured != equal  # rebalanced from its batch 2
     assert saved["data"] == {"epoch": 1, "batches": 5}

@@ -75,8 +75,8 @@ def _reports(rank_out: dict[str, Any]) -> int:
 def _server_stats(strategy: AsgdStrategy | SoftsyncStrategy | GrawaStrategy) -> dict[str, float]:
     if isinstance(strategy, GrawaStrategy):
         return dict(strategy.last_metrics)  # the server's, kept at the end of fit
-    assert strategy.ps is not None
-    return strategy.ps.stats()
+    assert strategy.sync.ps is not None
+    return strategy.sync.ps.stats()
 
 
 def _fit(name: str) -> dict[str, Any]:
@@ -123,11 +123,11 @@ def _fit_dbs(rebalance_every: int, sleep_s: float, n: int | None = None) -> dict
     data, slow = Indexed(), SlowRank(sleep_s)
     t = trainer(strategy=strategy, devices=WORLD, max_epochs=EPOCHS, callbacks=[slow])
     t.fit(module, DataLoader(data, batch_size=BATCH, shuffle=True))
-    server = strategy.ps.server if strategy.ps is not None else None
+    server = strategy.sync.ps.server if strategy.sync.ps is not None else None
     shares = server.core.claims.shares if server is not None and server.core.claims is not None else None
-    assert strategy.ps is not None
+    assert strategy.sync.ps is not None
     rebalances = shares.rebalances if shares is not None else None
-    return {"seen": data.seen, "sizes": slow.sizes, "rebalances": rebalances, "stats": strategy.ps.stats()}
+    return {"seen": data.seen, "sizes": slow.sizes, "rebalances": rebalances, "stats": strategy.sync.ps.stats()}
 
 
 def test_dbs_async_shared_claims_are_sized_by_the_server():

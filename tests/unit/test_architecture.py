@@ -11,6 +11,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "lightning_hier"
 PURE = [
     "comm",
     "algorithms",
+    "sync",
     "layers",
     "planner",
     "simulator",
@@ -20,7 +21,7 @@ PURE = [
     "_validate.py",
     "_pids.py",
 ]
-HYDRA_FREE = ["comm", "algorithms", "strategies", "callbacks", "data", "models", "layers", "planner", "testing"]
+HYDRA_FREE = ["comm", "algorithms", "sync", "strategies", "callbacks", "data", "models", "layers", "planner", "testing"]
 HYDRA_FREE += ["__init__.py", "summary.py", "cli.py"]  # only train.py (with conf/ and recipes/) knows Hydra
 
 

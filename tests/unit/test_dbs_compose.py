@@ -1,14 +1,26 @@
-"""The sample window of DBS x HPSGD / Local SGD, and what the composite strategies reject."""
+"""The sample window of DBS x HPSGD / Local SGD, and which rules and allocations go together (one check)."""
 
 from __future__ import annotations
-
-from typing import Any
 
 import pytest
 
 from lightning_hier.algorithms.dbs_compose import SampleWindow
-from lightning_hier.strategies import HPSGDStrategy
-from lightning_hier.strategies.dbs_compose import SampleWeighted
+from lightning_hier.strategies import (
+    AsyncDBSStrategy,
+    DBSHPSGDStrategy,
+    DBSLocalSGDStrategy,
+    DBSStrategy,
+    HierStrategy,
+)
+from lightning_hier.sync import (
+    AveragingSync,
+    HPSGDSync,
+    Levels,
+    SampleWeights,
+    SharedQueue,
+    ShareWeightedGradients,
+    SpeedShares,
+)
 
 
 def _window(steps: list[tuple[int, int]]) -> SampleWindow:
@@ -39,21 +51,48 @@ def test_the_window_restarts_and_round_trips_through_its_state():
         window.add(9, 8)
 
 
-class _TwoLevelHPSGD(HPSGDStrategy):
-    """Stands for HPSGD with the two-level arguments of issue 20 (built on another branch)."""
-
-    def __init__(self, inter_node_every: int | None = None, intra_node: str = "window", **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.inter_node_every, self.intra_node = inter_node_every, intra_node
+def _shares() -> tuple[SpeedShares, SampleWeights]:
+    shares = SpeedShares()
+    return shares, SampleWeights(shares)
 
 
-class _Composite(SampleWeighted, _TwoLevelHPSGD):
-    pass
+def test_two_level_windows_are_refused_with_dbs_shares_and_the_reason():
+    shares, weights = _shares()
+    sync = HPSGDSync(levels=Levels("X", inter_node_every=2), weights=weights)
+    with pytest.raises(ValueError, match=r"HierStrategy: argument `inter_node_every`=2 is not supported with DBS"):
+        HierStrategy(sync=sync, allocation=shares)
+    HierStrategy(sync=HPSGDSync(weights=weights), allocation=shares)  # the flat rule is fine
 
 
-@pytest.mark.parametrize(("args", "shown"), [({"inter_node_every": 2}, "2"), ({"intra_node": "step"}, "'step'")])
-def test_two_level_averaging_is_rejected_with_the_reason(args, shown):
-    name = next(iter(args))
-    with pytest.raises(ValueError, match=rf"_Composite: argument `{name}`={shown} is not supported with DBS shares"):
-        _Composite(**args)
-    _Composite()  # the flat defaults are fine
+@pytest.mark.parametrize(
+    ("make", "reason"),
+    [
+        (lambda w: AveragingSync.grawa(weights=w), "Local SGD's uniform center only"),
+        (lambda w: AveragingSync.easgd(weights=w), "EASGD's elastic force is symmetric"),
+        (lambda w: HPSGDSync(), "would weigh a slow rank's few samples like a fast rank's many"),
+        (lambda w: AveragingSync.localsgd(), "would weigh a slow rank's few samples like a fast rank's many"),
+    ],
+)
+def test_rules_without_sample_weights_are_refused_with_dbs_shares(make, reason):
+    shares, weights = _shares()
+    with pytest.raises(ValueError, match=reason):
+        HierStrategy(sync=make(weights), allocation=shares)
+
+
+def test_a_weighted_rule_needs_the_shares_and_a_shared_queue_needs_a_rule_that_runs_apart():
+    shares, weights = _shares()
+    with pytest.raises(ValueError, match="weighs each rank by its DBS batch share, but the allocation is Allocation"):
+        HierStrategy(sync=HPSGDSync(weights=weights))
+    with pytest.raises(ValueError, match="weighs each rank by its DBS batch share"):
+        HierStrategy(sync=ShareWeightedGradients(shares))
+    rounds = AveragingSync.localsgd()
+    with pytest.raises(ValueError, match="meets every rank in lock-step collectives"):
+        HierStrategy(sync=rounds, allocation=SharedQueue(rounds))
+    async_rounds = AveragingSync.grawa(rounds="async")
+    HierStrategy(sync=async_rounds, allocation=SharedQueue(async_rounds))
+
+
+def test_every_registered_dbs_composition_passes_the_check():
+    for cls in (DBSStrategy, DBSHPSGDStrategy, DBSLocalSGDStrategy, AsyncDBSStrategy):
+        strategy = cls()
+        assert isinstance(strategy.allocation, SpeedShares)

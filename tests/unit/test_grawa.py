@@ -19,7 +19,7 @@ from lightning_hier.algorithms import (
 )
 from lightning_hier.algorithms.grawa import grawa_scores, normalise_weights
 from lightning_hier.callbacks import PullToCenter
-from lightning_hier.strategies.grawa import _side_effect_free
+from lightning_hier.strategies._probe import side_effect_free
 from tests.helpers import digits_classifier
 
 
@@ -75,7 +75,7 @@ def test_training_step_rerun_logs_nothing_and_keeps_torchmetrics_state():
     batch = (torch.randn(4, 1, 8, 8), torch.tensor([0, 1, 2, 3]))
     module.train_acc.update(module(batch[0]), torch.tensor([0, 0, 0, 0]))
     before = (module.train_acc._copy_state_dict(), module.train_acc._update_count)
-    with _side_effect_free(module):
+    with side_effect_free(module):
         loss = module.training_step(batch, 0)  # would raise without a trainer if it logged
     assert loss.requires_grad
     after = (module.train_acc._copy_state_dict(), module.train_acc._update_count)
@@ -154,4 +154,4 @@ def test_registered_names_fix_the_variant():
         assert entry["strategy"] is GrawaStrategy and entry["init_params"]["variant"] == variant
     for name in ("grawa", "easgd", "lsgd", "localsgd", "easgd_spawn", "lsgd_fork"):
         assert name in StrategyRegistry
-    assert math.isclose(GrawaStrategy().beta, 0.9**8)
+    assert math.isclose(GrawaStrategy().sync.policy().beta, 0.9**8)

@@ -279,4 +279,4 @@ def test_algorithm_arguments_are_checked_too():
 def test_registered_names_build_the_strategy(name, method):
     t = pl.Trainer(strategy=name, accelerator="cpu", devices=2, logger=False, enable_progress_bar=False)
     assert isinstance(t.strategy, HPSGDStrategy)
-    assert t.strategy._start_method == method and t.strategy.window == 2 and t.strategy.mode == "fixed"
+    assert t.strategy._start_method == method and t.strategy.sync.window == 2 and t.strategy.sync.mode == "fixed"

@@ -175,7 +175,7 @@ def test_state_dict_round_trip():
     ids=["sgd-nesterov", "adam", "adamw", "nadam", "radam", "rmsprop", "adagrad"],
 )
 def test_the_servers_copy_of_the_users_optimizer_has_its_class_and_hyperparameters(make):
-    from lightning_hier.strategies._ps_adapter import copy_optimizer
+    from lightning_hier.sync.ps_adapter import copy_optimizer
 
     module = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1))
     first, second = list(module[0].parameters()), list(module[1].parameters())

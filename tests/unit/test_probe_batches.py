@@ -86,7 +86,7 @@ def test_the_probe_runs_on_its_own_seed_and_leaves_the_training_streams_where_th
 
 
 def test_probe_and_seed_arguments_are_checked():
-    assert GrawaStrategy().probe == "fresh"
+    assert GrawaStrategy().sync.norms.probe == "fresh"
     with pytest.raises(ValueError, match="`probe` must be one of 'fresh', 'batch', 'step', got 'own'"):
         GrawaStrategy(probe="own")
     with pytest.raises(ValueError, match="probe_seed"):

@@ -34,9 +34,9 @@ def test_the_problem_names_the_reason():
 
 @pytest.mark.parametrize("cls", [HPSGDStrategy, LocalSGDStrategy, GrawaStrategy])
 def test_the_arguments_are_kept(cls):
-    strategy = cls(inter_node_every=3, intra_node="step")
-    assert (strategy.inter_node_every, strategy.intra_node, strategy.two_level) == (3, "step", True)
-    assert not cls().two_level
+    levels = cls(inter_node_every=3, intra_node="step").sync.levels
+    assert (levels.inter_node_every, levels.intra_node, levels.enabled) == (3, "step", True)
+    assert not cls().sync.levels.enabled
 
 
 @pytest.mark.parametrize("cls", [EasgdStrategy, LsgdStrategy])

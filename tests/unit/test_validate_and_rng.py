@@ -63,4 +63,4 @@ def test_strategies_reject_infinities_and_accept_numpy_integers_before_launch():
         GrawaStrategy(eps=float("inf"))
     with pytest.raises(ValueError, match=r"HPSGDStrategy: argument `bucket_size_mb` must be a finite number"):
         HPSGDStrategy(bucket_size_mb=float("inf"))
-    assert HPSGDStrategy(window=np.int64(4)).window == 4
+    assert HPSGDStrategy(window=np.int64(4)).sync.window == 4

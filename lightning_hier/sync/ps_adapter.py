@@ -1,4 +1,4 @@
-"""One rank's side of a parameter-server run under Lightning, shared by ``asgd``, ``softsync`` and async ``dbs``.
+"""One rank's side of a parameter-server run, shared by ``asgd``, ``softsync`` and ``dbs_async``.
 
 :class:`PSAdapter` connects a Lightning module and its optimizer to the service of
 :mod:`lightning_hier.algorithms.ps_service`:

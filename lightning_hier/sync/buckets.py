@@ -2,26 +2,12 @@
 
 ``sync_buffers`` (average float buffers such as BatchNorm statistics along with the parameters)
 and ``bucket_size_mb`` (size bound of one flat buffer) mean the same for HPSGD, DBS and the
-averaging family: one validation, one translation into the algorithm's arguments.
+averaging family: one validation.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TypedDict
-
-from torch import Tensor, nn
-
 from lightning_hier import _validate as v
-from lightning_hier.algorithms.averaging import float_buffers
-
-
-class BucketArguments(TypedDict):
-    """Keyword arguments of a flat-bucket algorithm (``HPSGD``, ``DynamicBatchSize``, ``PeriodicAveraging``)."""
-
-    buffers: Sequence[Tensor]
-    bucket_bytes: int
-
 
 MIN_BUCKET_MB = 0.001
 """Smallest bucket bound, about 1 KiB: a bound under one byte (2**-20 MiB) rounds to 0 bytes, which no bucket fits."""
@@ -37,9 +23,6 @@ def check_bucket_mb(owner: str, name: str, value: float) -> float:
     return v.check_float(owner, name, value, low=MIN_BUCKET_MB)
 
 
-def bucket_arguments(module: nn.Module, sync_buffers: bool, bucket_size_mb: float) -> BucketArguments:
-    """The algorithm's ``buffers`` (the module's float buffers, or none) and ``bucket_bytes``."""
-    return {
-        "buffers": float_buffers(module) if sync_buffers else (),
-        "bucket_bytes": int(bucket_size_mb * 2**20),
-    }
+def bucket_bytes(bucket_size_mb: float) -> int:
+    """A bound in MiB as the algorithms take it (bytes)."""
+    return int(bucket_size_mb * 2**20)

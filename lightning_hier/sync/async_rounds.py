@@ -1,11 +1,11 @@
-"""The parameter server of asynchronous GRAWA rounds, for the strategy: start, checkpoint state.
+"""The parameter server of asynchronous GRAWA rounds, for the averaging rule: start, checkpoint state.
 
 Every rank builds the dedicated service group (a collective, once, at set-up), rank 0 starts
 the serving thread (and trains too), every rank gets its :class:`~lightning_hier.algorithms.ps_service.Worker`.
 The server serves while the ranks train; at every point where they meet in a collective
 (validation, checkpoints, the end of fit), right after reading the consensus, every rank pauses
 it and the next training batch resumes it, as in the parameter-server strategies
-(:class:`~lightning_hier.algorithms.ps_link.ServerLink`, shared with ``strategies/_ps_adapter.py``).
+(:class:`~lightning_hier.algorithms.ps_link.ServerLink`, shared with :mod:`lightning_hier.sync.param_server`).
 """
 
 from __future__ import annotations
