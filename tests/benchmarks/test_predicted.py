@@ -234,9 +234,9 @@ def test_a_fit_shorter_than_tau_completes_no_round_and_sends_only_its_final_one(
 
 
 def test_asynchronous_grawa_counts_each_remote_workers_final_partial_report():
-    """dbs_straggler with the shared queue (simulator/dbs_straggler-*-asynchronous.json): the straggler (rank 1) took about
-    40 of the 128 steps, one full period of tau = 32 and a partial one, so it crossed the link twice,
-    report and reply each time, not 40 / 32 times."""
+    """dbs_straggler with the shared queue (simulator/dbs_straggler-*-asynchronous.json): the straggler
+    (rank 1) took about 40 of the 128 steps, one full period of tau = 32 and a partial one, so it
+    crossed the link twice, report and reply each time, not 40 / 32 times."""
     for link in ("1gbit", "100mbit", "unlimited"):
         result = _workload(SIMULATOR / f"dbs_straggler-{link}-asynchronous.json", "dbs_straggler")
         run = result["runs"]["mgrawa-async-shared"]
@@ -247,10 +247,10 @@ def test_asynchronous_grawa_counts_each_remote_workers_final_partial_report():
 
 
 def test_the_grids_validation_forwards_are_predicted_byte_for_byte():
-    """grid2d_mlp on a 2 x 1 grid (older invocations, notes/runs/sim18d/grid_*.json): besides its training steps, CommStats counted
-    the validation's forwards, each sample's activations gathered across the 2 MODEL rows. Those
-    runs validated 4 batches of 500 (``limit_val_batches=4``, the CIFAR-10 data's ``val_batch_size``)
-    before ``val_samples`` was recorded."""
+    """grid2d_mlp on a 2 x 1 grid (older invocations, notes/runs/sim18d/grid_*.json): besides its
+    training steps, CommStats counted the validation's forwards, each sample's activations gathered
+    across the 2 MODEL rows. Those runs validated 4 batches of 500 (``limit_val_batches=4``, the
+    CIFAR-10 data's ``val_batch_size``) before ``val_samples`` was recorded."""
     for link in ("100m", "1g", "unl"):
         result = _workload(OLDER / "sim18d" / f"grid_{link}.json", "grid2d_mlp")
         run = {**result["runs"]["grid2d"], "val_samples": 4 * 500}
