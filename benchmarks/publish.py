@@ -1,17 +1,36 @@
-"""Write a results document out: JSON, markdown, plots, and the README sections that show them."""
+"""Write results out (JSON, markdown, plots) and regenerate every generated block of the pages.
+
+``python -m benchmarks.publish`` rewrites, from the committed results under ``benchmarks/results/``,
+every generated table of the README, the recipes' READMEs, ``benchmarks/README.md`` and the docs
+(the blocks between ``<!-- bench:<name>:start -->`` and ``<!-- bench:<name>:end -->``), the
+generated files (``results.md``, ``simulator/tally.md``) and every plot; :mod:`benchmarks.pages`
+lists which block comes from which result set. Options::
+
+    python -m benchmarks.publish                    # write what differs, draw every plot
+    python -m benchmarks.publish --check            # write nothing; exit 1 naming what differs
+    python -m benchmarks.publish --no-plots         # tables only
+    python -m benchmarks.publish --no-predictions   # without the simulator's scaling tables (slow: ~2 min)
+
+A benchmark run (``python -m benchmarks.run``) writes its ``results.json`` with :func:`write_outputs`,
+which also rewrites the blocks that show it.
+"""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
-from benchmarks.report import check_target, diagnosis, meta_line, targets_table, update_file, workload_section
-from benchmarks.scenarios import REPO, SCENARIOS, WORKLOADS
+from benchmarks import pages as pages_module
+from benchmarks.pages import Pages, benchmark_blocks, render, target_checks
+from benchmarks.scenarios import REPO, WORKLOADS
 
-RECIPES = ("hpsgd", "grawa", "dbs", "decoupled", "grid2d", "two_level")
+__all__ = ["carry_over", "main", "plotting_problem", "relative_paths", "render", "target_checks", "write_outputs"]
+
 # an absolute path inside any text: a slash not preceded by a word, a dot, a colon or a slash (not "MB/s",
 # not "./x", not "https://"), up to the next space, quote, bracket or separator
 _ABSOLUTE_PATH = re.compile(r"(?<![\w.~:/-])/[^\s'\"`,;()\[\]{}<>|]+")
@@ -24,40 +43,6 @@ def plotting_problem() -> str | None:
     except ImportError:
         return "matplotlib is missing: pip install -e '.[bench]'"
     return None
-
-
-def target_checks(results: dict[str, Any]) -> list[dict[str, Any]]:
-    """Every scenario target of the table: met, missed (by how much, where the time went) or pending."""
-    checks = []
-    for sc in SCENARIOS:
-        for target in sc.targets:
-            result = results["workloads"].get(sc.workload)
-            check = check_target(sc, target, result)
-            if check["status"] == "missed" and result is not None:
-                check["note"] += f"; {diagnosis(result, sc.label)}"
-            checks.append(check)
-    return checks
-
-
-def render(results: dict[str, Any], plot_dir: Path, base: Path, workloads: list[str] | None = None) -> str:
-    """Markdown of the results; plot links relative to ``base`` (the folder of the file it goes into)."""
-    meta = results["meta"]
-    done = {w: e for w, e in results["workloads"].items() if "comparison" in e}  # at least one run finished
-    names = [w for w in done if workloads is None or w in workloads]
-    parts = [meta_line(meta), ""]
-    if results.get("interrupted"):
-        parts += ["**Interrupted: partial results.**", ""]
-    checks = [c for c in target_checks(results) if workloads is None or c["workload"] in workloads]
-    if checks:
-        parts += ["Targets (ratios against DDP or a peer in the same invocation):", "", targets_table(checks), ""]
-    for name in names:
-        plot = plot_dir / f"{name}.png"
-        link = os.path.relpath(plot, base) if plot.is_file() else None
-        parts += [workload_section(WORKLOADS[name], results["workloads"][name], meta, link), ""]
-    skipped = [s for s in results.get("skipped", []) if workloads is None or s["workload"] in workloads]
-    if skipped:
-        parts.append("Not run: " + "; ".join(f"{s['workload']} / {s['label']} ({s['reason']})" for s in skipped) + ".")
-    return "\n".join(parts).strip() + "\n"
 
 
 def carry_over(results: dict[str, Any], previous: dict[str, Any]) -> dict[str, Any]:
@@ -91,12 +76,13 @@ def relative_paths(value: Any, root: Path = REPO) -> Any:
 
 
 def write_outputs(results: dict[str, Any], out: Path, update_readme: bool) -> None:
-    """``results.json``, ``results.md`` and one PNG per workload in ``out``; optionally the READMEs.
+    """``results.json``, ``results.md`` and one PNG per workload in ``out``; optionally the pages.
 
     Paths in them are relative to the repository root (see :func:`relative_paths`).
 
     With ``update_readme`` the workloads of the previous ``results.json`` in ``out`` that this
-    invocation did not touch are kept (see :func:`carry_over`).
+    invocation did not touch are kept (see :func:`carry_over`), and the blocks that show the
+    benchmark (README, ``benchmarks/README.md``, the recipes) are rewritten from it.
     """
     from benchmarks.plots import plot_workload
 
@@ -107,16 +93,42 @@ def write_outputs(results: dict[str, Any], out: Path, update_readme: bool) -> No
         results = carry_over(results, json.loads(previous.read_text()))
     (out / "results.json").write_text(json.dumps(results, indent=1, default=float) + "\n")
     for name, result in results["workloads"].items():
-        if "comparison" in result and any("error" not in r for r in result["runs"].values()):
+        if pages_module.has_plot(result):
             plot_workload(WORKLOADS[name], result, out / f"{name}.png")
     (out / "results.md").write_text(render(results, out, out))
     if not update_readme:
         return
-    summary = [meta_line(results["meta"]), "", targets_table(target_checks(results))]
-    update_file(REPO / "README.md", "summary", "\n".join(summary))
-    update_file(REPO / "benchmarks" / "README.md", "results", render(results, out, REPO / "benchmarks"))
-    for recipe in RECIPES:
-        mine = [name for name, w in WORKLOADS.items() if w.recipe == recipe]
-        readme = REPO / "recipes" / recipe / "README.md"
-        if any(w in results["workloads"] for w in mine) and readme.is_file():
-            update_file(readme, "results", render(results, out, readme.parent, mine))
+    if out.resolve() == pages_module.RESULTS.resolve():  # the committed results: every page that shows them
+        pages_module.pages(predictions=False).write(plots=False)
+        return
+    pages = Pages()
+    benchmark_blocks(pages, results, out)
+    pages.write(plots=False)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.publish", description=__doc__.split("\n")[0])
+    parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if a generated block differs")
+    parser.add_argument("--no-plots", action="store_true", help="do not draw the plots")
+    parser.add_argument(
+        "--no-predictions", action="store_true", help="leave out the simulator's scaling tables (about 2 minutes)"
+    )
+    args = parser.parse_args(argv)
+    generated = pages_module.pages(predictions=not args.no_predictions)
+    if args.check:
+        stale = generated.differences()
+        for path in stale:
+            print(f"differs from what `python -m benchmarks.publish` writes: {path.relative_to(REPO)}", file=sys.stderr)
+        if not stale:
+            print(f"every generated block and file is current ({len(generated.text)} files checked)")
+        return 1 if stale else 0
+    problem = None if args.no_plots else plotting_problem()
+    if problem:
+        print(f"plots not drawn: {problem}", file=sys.stderr)
+    for path in generated.write(plots=not args.no_plots and problem is None):
+        print(f"wrote {path.relative_to(REPO)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

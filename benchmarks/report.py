@@ -322,8 +322,28 @@ BUSY_LOAD_PER_CPU = 0.25  # a load average above this share of the cores marks a
 BUSY_CPU_SHARE = 0.10  # as does other work using this share of the cores' time when the runs start
 
 
+# runner options that only say where a run wrote or how it queued, not what it measured
+_PRIVATE_OPTIONS = {"--out": 1, "--name": 1, "--lock": 1, "--timeout": 1, "--no-update-readme": 0, "--update-readme": 0}
+
+
+def public_argv(argv: list[str]) -> list[str]:
+    """``argv`` without the options that name a run's output folder, label, lock or time limit."""
+    out, skip = [], 0
+    for arg in argv:
+        if skip:
+            skip -= 1
+        elif arg in _PRIVATE_OPTIONS:
+            skip = _PRIVATE_OPTIONS[arg]
+        else:
+            out.append(arg)
+    return out
+
+
 def meta_line(meta: dict[str, Any]) -> str:
     """Provenance of a results document: when, what, where, with which arguments, how busy.
+
+    The line goes into pages a user reads: the commit (kept in the JSON) and the runner's own
+    bookkeeping options (:func:`public_argv`) are left out.
 
     "Busy" is judged by the CPU share other processes used just before the runs (``cpu_busy``)
     when it was measured, else by the 1-minute load average (which lags behind earlier runs).
@@ -331,14 +351,14 @@ def meta_line(meta: dict[str, Any]) -> str:
     mode = "quick" if meta.get("quick") else "full"
     load, cpus, share = meta["load_avg"][0], meta["host_cpus"], meta.get("cpu_busy")
     busy = share > BUSY_CPU_SHARE if share is not None else load > BUSY_LOAD_PER_CPU * cpus
-    args = " ".join(meta.get("argv", [])) or "(defaults)"
+    args = " ".join(public_argv(meta.get("argv", []))) or "(defaults)"
     at_start = (
         f"CPU {share:.0%} busy and load average {load:.1f} at start"
         if share is not None
         else (f"load average {load:.1f} at start")
     )
     line = (
-        f"_{mode} run {meta['date']}, commit `{meta['commit']}`, arguments `{args}`, {cpus} cores, "
+        f"_{mode} run {meta['date']}, arguments `{args}`, {cpus} cores, "
         f"{at_start}; torch {meta['torch']}, lightning {meta['lightning']}._"
     )
     if not busy:

@@ -4,8 +4,13 @@
 (workload, link, ranks, run, samples/s and bytes per epoch measured, predicted and the error, and
 the share of the run and of its calibration run spent queued for the cores), then how many of
 them came within ``--tolerance`` (15 %) on samples/s and on bytes. Rows come in the order of the
-files given; the file's name (its invocation) is the ``source`` column. With ``--latest`` and the
-files given oldest first, a cell measured again later is counted once, at its newest measurement.
+files given; the file's name (its invocation) is the ``source`` column. With ``--latest`` the files
+are taken in the order of their invocations' dates (``meta.date``) and a cell measured again later
+is counted once, at its newest measurement.
+
+The simulator's accuracy over the current measurements (``benchmarks/results/simulator/``)::
+
+    python -m benchmarks.tally --latest benchmarks/results/simulator/*.json
 """
 
 from __future__ import annotations
@@ -80,6 +85,17 @@ def latest(rows: list[Cell]) -> list[Cell]:
     return [c for c in rows if newest[c.key] is c]
 
 
+def by_date(documents: list[tuple[str, dict[str, Any]]]) -> list[tuple[str, dict[str, Any]]]:
+    """``(source, results)`` pairs in the order of their invocations' dates (stable for equal dates)."""
+    return sorted(documents, key=lambda item: str(item[1]["meta"]["date"]))
+
+
+def latest_cells(paths: list[Path]) -> list[Cell]:
+    """Every cell of the ``results.json`` files at ``paths`` once, at its newest measurement."""
+    documents = by_date([(path.stem, json.loads(path.read_text())) for path in paths])
+    return latest([c for source, results in documents for c in cells(source, results)])
+
+
 def _share(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:.0f}%"
 
@@ -111,12 +127,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("results", nargs="+", type=Path, help="results.json files (one per invocation)")
     parser.add_argument("--tolerance", type=float, default=0.15, help="relative error counted as a hit")
     parser.add_argument(
-        "--latest", action="store_true", help="count each cell once, from the last file that measured it (oldest first)"
+        "--latest", action="store_true", help="count each cell once, at its newest measurement (by the files' dates)"
     )
     args = parser.parse_args(argv)
-    rows = [c for path in args.results for c in cells(path.stem, json.loads(path.read_text()))]
     if args.latest:
-        rows = latest(rows)
+        rows = latest_cells(args.results)
+    else:
+        rows = [c for path in args.results for c in cells(path.stem, json.loads(path.read_text()))]
     print(tally_table(rows, args.tolerance))
     return 0
 

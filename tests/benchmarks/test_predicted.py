@@ -17,6 +17,8 @@ from lightning_hier.simulator import Workload
 from lightning_hier.simulator.__main__ import PRESETS
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "results.json"
+SIMULATOR = RESULTS.parent / "simulator"  # the current measurements beside the simulator's predictions
+OLDER = RESULTS.parents[1] / "notes" / "runs"  # older invocations, cited by the dated notes
 
 
 def _mlp_result() -> dict:
@@ -202,9 +204,9 @@ def test_each_validations_consensus_is_on_the_training_clock():
 
 
 def test_easgds_end_of_fit_catch_up_is_one_more_model_of_payload():
-    """grawa_cnn at 1 Gbit/s (benchmarks/results/sim18c/grawa_1g.json): EASGD, tau 4, 32 steps,
-    CommStats counted 9 models (8 rounds and the center's catch-up at the end of the fit)."""
-    result = json.loads((RESULTS.parent / "sim18c" / "grawa_1g.json").read_text())["workloads"]["grawa_cnn"]
+    """grawa_cnn at 1 Gbit/s (an older invocation, benchmarks/notes/runs/sim18c/grawa_1g.json): EASGD,
+    tau 4, 32 steps, CommStats counted 9 models (8 rounds and the center's catch-up at the end of the fit)."""
+    result = json.loads((OLDER / "sim18c" / "grawa_1g.json").read_text())["workloads"]["grawa_cnn"]
     run = result["runs"]["easgd"]
     p = predict_run("easgd", run, result, world=2)
     assert p is not None
@@ -213,15 +215,15 @@ def test_easgds_end_of_fit_catch_up_is_one_more_model_of_payload():
     assert payload == pytest.approx(9 * 4 * run["model"]["parameters"], rel=0.005)
 
 
-def _sim18d(name: str, workload: str) -> dict:
-    return json.loads((RESULTS.parent / "sim18d" / f"{name}.json").read_text())["workloads"][workload]
+def _workload(path: Path, workload: str) -> dict:
+    return json.loads(path.read_text())["workloads"][workload]
 
 
 def test_a_fit_shorter_than_tau_completes_no_round_and_sends_only_its_final_one():
-    """grawa_cnn at 1 Gbit/s (sim18d/grawa_mgl_1g_r3.json): MGRAWA and LGRAWA with tau 32 over a
+    """grawa_cnn at 1 Gbit/s (simulator/grawa_cnn-1gbit-grawa.json): MGRAWA and LGRAWA with tau 32 over a
     24-step fit complete no round; CommStats counted one model (the final round, with the buffers
     and the score table), as the no-comm run's end of fit."""
-    result = _sim18d("grawa_mgl_1g_r3", "grawa_cnn")
+    result = _workload(SIMULATOR / "grawa_cnn-1gbit-grawa.json", "grawa_cnn")
     for label in ("mgrawa", "lgrawa"):
         run = result["runs"][label]
         p = predict_run(label, run, result, world=2)
@@ -232,11 +234,11 @@ def test_a_fit_shorter_than_tau_completes_no_round_and_sends_only_its_final_one(
 
 
 def test_asynchronous_grawa_counts_each_remote_workers_final_partial_report():
-    """dbs_straggler with the shared queue (sim18d/shared_*.json): the straggler (rank 1) took about
-    40 of the 128 steps, one full period of tau = 32 and a partial one, so it crossed the link twice,
-    report and reply each time, not 40 / 32 times."""
-    for link in ("1g", "100m", "unl"):
-        result = _sim18d(f"shared_{link}", "dbs_straggler")
+    """dbs_straggler with the shared queue (simulator/dbs_straggler-*-asynchronous.json): the straggler
+    (rank 1) took about 40 of the 128 steps, one full period of tau = 32 and a partial one, so it
+    crossed the link twice, report and reply each time, not 40 / 32 times."""
+    for link in ("1gbit", "100mbit", "unlimited"):
+        result = _workload(SIMULATOR / f"dbs_straggler-{link}-asynchronous.json", "dbs_straggler")
         run = result["runs"]["mgrawa-async-shared"]
         p = predict_run("mgrawa-async-shared", run, result, world=2)
         assert p is not None and p.detail["remote_round_trips"] == 2
@@ -245,12 +247,12 @@ def test_asynchronous_grawa_counts_each_remote_workers_final_partial_report():
 
 
 def test_the_grids_validation_forwards_are_predicted_byte_for_byte():
-    """grid2d_mlp on a 2 x 1 grid (sim18d/grid_*.json): besides its training steps, CommStats counted
-    the validation's forwards, each sample's activations gathered across the 2 MODEL rows. Those
-    runs validated 4 batches of 500 (``limit_val_batches=4``, the CIFAR-10 data's ``val_batch_size``)
-    before ``val_samples`` was recorded."""
+    """grid2d_mlp on a 2 x 1 grid (older invocations, notes/runs/sim18d/grid_*.json): besides its
+    training steps, CommStats counted the validation's forwards, each sample's activations gathered
+    across the 2 MODEL rows. Those runs validated 4 batches of 500 (``limit_val_batches=4``, the
+    CIFAR-10 data's ``val_batch_size``) before ``val_samples`` was recorded."""
     for link in ("100m", "1g", "unl"):
-        result = _sim18d(f"grid_{link}", "grid2d_mlp")
+        result = _workload(OLDER / "sim18d" / f"grid_{link}.json", "grid2d_mlp")
         run = {**result["runs"]["grid2d"], "val_samples": 4 * 500}
         p = predict_run("grid2d", run, result, world=2)
         assert p is not None
@@ -260,11 +262,11 @@ def test_the_grids_validation_forwards_are_predicted_byte_for_byte():
 
 
 def test_four_ranks_bytes_leave_out_the_calibrations_ring_consensus():
-    """hpsgd_mlp on 4 ranks at 1 Gbit/s (sim18e/mlp4_1g.json): the no-comm run's end-of-fit
+    """hpsgd_mlp on 4 ranks at 1 Gbit/s (simulator/hpsgd_mlp-1gbit-4ranks.json): the no-comm run's end-of-fit
     all-reduce sends 2 (p - 1) / p = 1.5 times its payload at 4 ranks; the rest of its bytes (the
     rendezvous, the metrics) is what every run adds. Leaving out only 1x the payload over-predicted
     every run by half the 21 MB model (+4 to +17 %)."""
-    result = json.loads((RESULTS.parent / "sim18e" / "mlp4_1g.json").read_text())["workloads"]["hpsgd_mlp"]
+    result = _workload(SIMULATOR / "hpsgd_mlp-1gbit-4ranks.json", "hpsgd_mlp")
     for label, run in result["runs"].items():
         if label == "no-comm":
             continue

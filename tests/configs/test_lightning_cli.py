@@ -1,4 +1,4 @@
-"""LightningCLI (the ``cli`` extra): a strategy and its arguments from flags and from the README's YAML."""
+"""LightningCLI (the ``cli`` extra): a strategy and its arguments from flags and from the documented YAML."""
 
 import re
 from pathlib import Path
@@ -14,19 +14,19 @@ from lightning_hier.cli import NetworkClassifier, main
 from lightning_hier.data import DigitsDataModule, SyntheticDataModule
 
 QUIET = ["--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false", "--trainer.logger=false"]
-README = Path(__file__).resolve().parents[2] / "README.md"
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "guide" / "lightning-cli.md"
 
 
-def _readme_yaml() -> str:
-    """The README's LightningCLI config (the fenced block that starts with ``# hpsgd.yaml``)."""
-    match = re.search(r"```yaml\n# hpsgd\.yaml\n(.*?)```", README.read_text(), re.DOTALL)
-    assert match, "README.md lost its LightningCLI example"
+def _documented_yaml() -> str:
+    """The documented LightningCLI config (the fenced block that starts with ``# hpsgd.yaml``)."""
+    match = re.search(r"```yaml\n# hpsgd\.yaml\n(.*?)```", PAGE.read_text(), re.DOTALL)
+    assert match, "docs/guide/lightning-cli.md lost its LightningCLI example"
     return match.group(1)
 
 
-def test_the_readme_yaml_sets_the_strategy_class_and_arguments_and_fits(tmp_path):
+def test_the_documented_yaml_sets_the_strategy_class_and_arguments_and_fits(tmp_path):
     path = tmp_path / "hpsgd.yaml"
-    path.write_text(_readme_yaml())
+    path.write_text(_documented_yaml())
     args = ["fit", "--config", str(path), "--trainer.max_epochs=1", f"--trainer.default_root_dir={tmp_path}"]
     cli = main([*args, *QUIET])
     strategy = cli.trainer.strategy

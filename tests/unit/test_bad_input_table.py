@@ -1,6 +1,6 @@
-"""The README's bad-input table holds: every listed value is rejected with its message; every argument has a row.
+"""The bad-input table holds: every listed value is rejected with its message; every argument has a row.
 
-The table (section "Bad input: what each argument rejects") has one row per argument: the
+The table (docs/reference/bad-input.md, "Bad input: what each argument rejects") has one row per argument: the
 strategies it applies to (registry names, or the groups all / hier / averaging / GRAWA / ddp_*), the
 values it rejects (Python expressions, or ``name=value, ...`` combinations) and the message after
 ``<Class>: ``. Every strategy of a row is built from its registry entry with every value of the row.
@@ -23,8 +23,9 @@ import lightning_hier  # noqa: F401  (registers the names)
 from lightning_hier.strategies import DDPCommHookStrategy, GrawaStrategy, HierStrategy
 from lightning_hier.sync import AveragingSync
 
-README = Path(__file__).resolve().parents[2] / "README.md"
-HEADING = "## Bad input: what each argument rejects"
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "reference" / "bad-input.md"
+HEADING = "# Bad input: what each argument rejects"
+README = PAGE.parents[2] / "README.md"
 START, END = "<!-- bad-input:table:start -->", "<!-- bad-input:table:end -->"
 CODE = re.compile(r"``(.+?)``|`([^`]+)`")
 VALUES = {"inf": math.inf, "nan": math.nan, "timedelta": timedelta}  # the names a rejected value may use
@@ -72,8 +73,8 @@ def code_spans(cell: str) -> list[str]:
 
 
 def table_rows() -> list[Row]:
-    text = README.read_text()
-    assert text.count(START) == text.count(END) == 1, "README: one bad-input table between its markers"
+    text = PAGE.read_text()
+    assert text.count(START) == text.count(END) == 1, "bad-input page: one table between its markers"
     body = text[text.index(START) + len(START) : text.index(END)].strip().splitlines()
     assert body[0].startswith("| argument | strategies |") and set(body[1]) <= {"|", "-"}
     names = registered()
@@ -81,12 +82,12 @@ def table_rows() -> list[Row]:
     rows = []
     for line in body[2:]:
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        assert len(cells) == 5, f"README bad-input row has {len(cells)} cells, not 5: {line}"
+        assert len(cells) == 5, f"bad-input row has {len(cells)} cells, not 5: {line}"
         strategies: list[str] = []
         for token in (t.strip() for t in cells[1].split(",")):
             spans = code_spans(token)
             members = spans if spans else named_groups.get(token.replace("\\", ""))
-            assert members and all(m in names for m in members), f"README bad-input row names {token!r}: {line}"
+            assert members and all(m in names for m in members), f"bad-input row names {token!r}: {line}"
             strategies += members
         messages = code_spans(cells[4])
         assert len(messages) <= 1, line
@@ -143,24 +144,15 @@ def test_every_constructor_argument_of_every_registered_strategy_has_a_row():
     missing = sorted(
         (n, a) for n, (cls, _) in names.items() for a in constructor_arguments(cls) if (n, a) not in covered
     )
-    assert not missing, f"README bad-input table: no row for {missing}"
+    assert not missing, f"bad-input table: no row for {missing}"
     unknown = sorted(
         (n, a) for n, a in covered if a not in constructor_arguments(names[n][0])
     )  # a row for an argument that does not exist
-    assert not unknown, f"README bad-input table: {unknown} are not constructor arguments"
+    assert not unknown, f"bad-input table: {unknown} are not constructor arguments"
 
 
-def slug(heading: str) -> str:
-    """GitHub's anchor of a heading."""
-    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
-
-
-def test_the_section_is_linked_from_the_contents_and_every_anchor_exists():
-    text = README.read_text()
-    assert HEADING in text and text.index(HEADING) < text.index(START)
-    anchors = {slug(h) for h in re.findall(r"^#{2,3} (.+)$", text, re.MULTILINE)}
-    start = text.index("**Contents.**")
-    contents = text[start : text.index("\n## ", start)]
-    assert f"(#{slug(HEADING[3:])})" in contents
-    links = re.findall(r"\]\(#([^)]+)\)", text)
-    assert links and not [a for a in links if a not in anchors]
+def test_the_page_opens_with_its_heading_and_the_readme_and_the_strategies_page_link_it():
+    text = PAGE.read_text()
+    assert text.startswith(HEADING) and text.index(HEADING) < text.index(START)
+    assert "docs/reference/bad-input.md" in README.read_text()
+    assert "reference/bad-input.md" in (PAGE.parents[1] / "guide" / "strategies" / "index.md").read_text()

@@ -1,6 +1,6 @@
 """Strategy arguments: any integral type is an integer, lists of integers are checked entry by entry.
 
-The bad values of every argument, with their messages, are in the README's bad-input table
+The bad values of every argument, with their messages, are in the bad-input table (docs/reference/bad-input.md)
 (``tests/unit/test_bad_input_table.py``); this file checks what must be *accepted*.
 """
 
