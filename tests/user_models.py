@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
@@ -12,7 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_hier.layers import full_state_dict
 
-__all__ = ["BoringModel", "SameWeightsOnEveryRank", "UserClassifier", "UserModule"]
+__all__ = ["BoringModel", "SameWeightsOnEveryRank", "UserClassifier", "UserGAN", "UserModule"]
 
 
 class UserModule(pl.LightningModule):
@@ -51,6 +54,56 @@ class UserClassifier(pl.LightningModule):
     def train_dataloader(self) -> DataLoader:
         x = torch.randn(96, 16, generator=torch.Generator().manual_seed(0))
         return DataLoader(TensorDataset(x, x[:, :4].argmax(1)), batch_size=8, shuffle=True)
+
+
+class UserGAN(pl.LightningModule):
+    """A GAN as Lightning's docs write one: two optimizers, manual optimization, the generator then the critic.
+
+    Learns to generate 2-d points near the unit circle. ``steps`` counts every ``opt.step()``.
+    """
+
+    def __init__(self, lr: float = 0.05, momentum: float = 0.9) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.generator = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 2))
+        self.discriminator = nn.Sequential(nn.Linear(2, 16), nn.ReLU(), nn.Linear(16, 1))
+        self.lr, self.momentum = lr, momentum
+
+    def training_step(self, batch: tuple[Tensor], batch_idx: int) -> None:
+        (real,) = batch
+        opt_g, opt_d = self.optimizers()  # type: ignore[misc]
+        fake, g_loss = self.generator_step(real.shape[0], batch_idx, opt_g, self.manual_backward)
+        d_loss = self.discriminator_step(real, fake, opt_d, self.manual_backward)
+        self.log_dict({"g_loss": g_loss, "d_loss": d_loss})
+
+    def generator_step(
+        self, n: int, batch_idx: int, opt: Any, backward: Callable[[Tensor], None]
+    ) -> tuple[Tensor, Tensor]:
+        noise = torch.randn(n, 4, generator=torch.Generator().manual_seed(batch_idx))
+        fake = self.generator(noise)
+        loss = nn.functional.binary_cross_entropy_with_logits(self.discriminator(fake), torch.ones(n, 1))
+        opt.zero_grad()
+        backward(loss)
+        opt.step()
+        return fake.detach(), loss.detach()
+
+    def discriminator_step(self, real: Tensor, fake: Tensor, opt: Any, backward: Callable[[Tensor], None]) -> Tensor:
+        bce = nn.functional.binary_cross_entropy_with_logits
+        d_real, d_fake = self.discriminator(real), self.discriminator(fake)
+        loss = bce(d_real, torch.ones_like(d_real)) + bce(d_fake, torch.zeros_like(d_fake))
+        opt.zero_grad()
+        backward(loss)
+        opt.step()
+        return loss.detach()
+
+    def configure_optimizers(self) -> tuple[torch.optim.Optimizer, torch.optim.Optimizer]:
+        g = torch.optim.SGD(self.generator.parameters(), lr=self.lr, momentum=self.momentum)
+        d = torch.optim.SGD(self.discriminator.parameters(), lr=self.lr, momentum=self.momentum)
+        return g, d
+
+    def train_dataloader(self) -> DataLoader:
+        angle = torch.rand(128, generator=torch.Generator().manual_seed(0)) * 6.2832
+        return DataLoader(TensorDataset(torch.stack([angle.cos(), angle.sin()], 1)), batch_size=8)
 
 
 class SameWeightsOnEveryRank(Callback):

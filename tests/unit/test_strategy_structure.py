@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 
-import lightning_hier  # noqa: F401  (registers the names)
+import lightning_hier
 from lightning_hier.strategies import HierStrategy
 
 PACKAGE = Path(lightning_hier.__file__).resolve().parent
@@ -124,7 +124,7 @@ def test_no_import_cycle_between_modules():
         stack.append(node)
         for nxt in sorted(graph[node]):
             if state.get(nxt) == 1:
-                cycle = stack[stack.index(nxt) :] + [nxt]
+                cycle = [*stack[stack.index(nxt) :], nxt]
                 pytest.fail("import cycle: " + " -> ".join(cycle))
             if nxt not in state:
                 visit(nxt)
