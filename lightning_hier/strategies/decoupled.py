@@ -381,7 +381,7 @@ class DecoupledStrategy(HierStrategy):
             raise RuntimeError(
                 "DecoupledStrategy: a training batch came after the fit was predicted to end and the stages "
                 "were reassembled into the whole model; the pipeline cannot go on. This is a bug in "
-                "lightning_hier.strategies._finish.ends_after_this_batch: please report the Trainer's "
+                "lightning_hier.callbacks.fit_end.ends_after_this_batch: please report the Trainer's "
                 "stopping arguments."
             )
         reports: list[IterationReport] = []
