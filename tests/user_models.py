@@ -111,10 +111,20 @@ class SameWeightsOnEveryRank(Callback):
 
     A user's hook: it runs before the strategy's own ``on_train_end``, so it sees what every
     strategy promises to have finished right after the last optimizer step.
+
+    Args:
+        buffers: Compare the buffers too (BatchNorm statistics). Lightning's DDP broadcasts rank
+            0's buffers at the start of each forward, so after the last training forward they differ
+            there; its peers (``ddp_*``) are compared on parameters.
     """
 
+    def __init__(self, buffers: bool = True) -> None:
+        self.buffers = buffers
+
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        flat = torch.cat([t.detach().reshape(-1).double() for t in full_state_dict(pl_module).values()])
+        params = {name for name, _ in pl_module.named_parameters()}
+        state = {k: v for k, v in full_state_dict(pl_module).items() if self.buffers or k in params}
+        flat = torch.cat([t.detach().reshape(-1).double() for t in state.values()])
         gathered = [torch.empty_like(flat) for _ in range(trainer.world_size)]
         dist.all_gather(gathered, flat)
         for rank, other in enumerate(gathered):
