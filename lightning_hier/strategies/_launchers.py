@@ -16,22 +16,30 @@ is in :mod:`lightning_hier.strategies._failure`); the multiprocessing start meth
   the main process are removed (torch reads them but never deletes them): their names are drawn
   in the main process during the launch, so the launch points ``tempfile`` there at a directory
   of its own and removes them from it afterwards (the children use the usual one).
+- a spawned child whose work is done (its result handed to the main process) ends as a forked
+  child ends, with ``os._exit``, after the interpreter's Python-level exit steps (non-daemon
+  threads joined, ``atexit`` callbacks, stdio flushed) but without the interpreter's
+  finalization, which the process groups' worker threads could otherwise abort
+  (:func:`_exit_without_finalizing`).
 
 Strategies with their own launcher subclass it (``grid2d``).
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import tempfile
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
+from multiprocessing import util as mp_util
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import Any, NoReturn
 
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -95,6 +103,8 @@ class _ReportingLauncher(_MultiProcessingLauncher):
         except BaseException as exc:
             self._strategy.on_exception(exc)
             raise
+        if self._start_method == "spawn":  # fork and forkserver children end with os._exit already
+            _exit_without_finalizing()
 
     @contextmanager
     def _forwarding_signals(self) -> Iterator[None]:
@@ -154,6 +164,38 @@ class _CheckedScriptLauncher(_SubprocessScriptLauncher):
     def launch(self, function: Callable[..., Any], *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         self.check(trainer, args)
         return super().launch(function, *args, trainer=trainer, **kwargs)
+
+
+def _exit_without_finalizing() -> NoReturn:
+    """End this spawned child, its work done, as a forked child ends: ``os._exit`` instead of finalization.
+
+    Nothing destroys the process groups before a rank's process ends (the strategy, a DDP wrapper
+    or user code may hold them), so their gloo worker threads outlive the training. A worker that
+    completed the last collective (a user's ``all_gather`` in ``on_train_end``) wakes the waiting
+    main thread first and drops the finished work after; dropping it releases the work's tensors,
+    and releasing a tensor that Python also holds takes the GIL. When the worker gets the CPU
+    only after the main thread has reached ``sys.exit`` and begun finalizing the interpreter
+    (a loaded machine), taking the GIL ends the worker with ``pthread_exit``, whose unwinding
+    through that noexcept destructor calls ``std::terminate``: "terminate called without an
+    active exception", and the rank dies of SIGABRT although its fit succeeded.
+
+    So the exit steps user code can observe run here, in the interpreter's order (what
+    ``BaseProcess._bootstrap`` runs after the target: multiprocessing's finalizers, the join of
+    non-daemon threads; then the ``atexit`` callbacks; then stdio is flushed), and the process
+    ends without the interpreter's finalization (module teardown and collection), as fork and
+    forkserver children end (those skip the ``atexit`` callbacks too, which are their parent's).
+    """
+    code = 0
+    try:
+        mp_util._exit_function()  # type: ignore[attr-defined]
+        threading._shutdown()  # type: ignore[attr-defined]
+        atexit._run_exitfuncs()
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    finally:
+        mp_util._flush_std_streams()  # type: ignore[attr-defined]
+        os._exit(code)
 
 
 def _name_rank(exc: ProcessRaisedException | ProcessExitedException, rank: int) -> None:
