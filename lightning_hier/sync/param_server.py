@@ -92,6 +92,7 @@ class ServerSync(Sync):
         self._service_group: dist.ProcessGroup | None = None
         self._batch_samples = 0
         self._device = torch.device("cpu")
+        self._settled = False  # finalized: every rank holds the server's model
 
     # ------------------------------------------------------------------ layout
     def num_workers(self, world: int) -> int:
@@ -147,6 +148,7 @@ class ServerSync(Sync):
         )
         self._batch_samples = 0
         self._device = next(iter(binding.module.parameters()), torch.zeros(())).device
+        self._settled = False
 
     @property
     def serves_only(self) -> bool:
@@ -160,6 +162,7 @@ class ServerSync(Sync):
 
     @override
     def batch_started(self, batch: Any) -> None:
+        self._settled = False
         if self.ps is not None:
             self.ps.start()  # (again) after a validation, a checkpoint or the end of an earlier fit
         self._batch_samples += batch_size_of(batch)  # a batch of no tensor: 0 (softsync then weighs uniformly)
@@ -201,7 +204,7 @@ class ServerSync(Sync):
     @contextmanager
     @override
     def consensus(self) -> Iterator[None]:
-        if self.ps is None:
+        if self.ps is None or self._settled:  # after finalize every rank holds the server's model already
             yield
             return
         with self.ps.consensus():
@@ -212,6 +215,9 @@ class ServerSync(Sync):
         if self.ps is not None:
             self.ps.drain()
             self.ps.load_consensus()
+            # nothing to broadcast until training goes on; after fit the module may even be on the
+            # CPU (Lightning's teardown), which an NCCL broadcast could not send
+            self._settled = True
         return {}
 
     @override
