@@ -280,12 +280,7 @@ class AveragingSync(Sync):
 
     @override
     def reduce_gradients(self, optimizer: Optimizer) -> None:
-        binding = self._binding
-        if binding is None or not self.levels.node_steps:  # DDP inside the node only
-            return
-        index = binding.index_of(optimizer)
-        buffers = float_buffers(binding.module) if self.sync_buffers and index == 0 else []
-        self.levels.average_in_node(self.algorithms[index].flat.tensors, buffers, binding.groups, binding.stats)
+        self.levels.average_in_node(self._binding, optimizer, self.sync_buffers)  # DDP inside the node
 
     @override
     def before_step(self, optimizer: Optimizer) -> None:

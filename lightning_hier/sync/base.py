@@ -69,6 +69,7 @@ class Binding:
     seed: int = 0
     callbacks: Sequence[object] = ()
     host: Any = None
+    _sets: tuple[tuple[int, ...], list[list[nn.Parameter]]] | None = field(default=None, init=False, repr=False)
 
     @property
     def topology(self) -> Topology:
@@ -85,6 +86,12 @@ class Binding:
         before several optimizers were supported). With several: each optimizer's parameters in
         the module's order; a parameter no optimizer holds never changes and is left out.
         """
+        key = tuple(id(o) for o in self.optimizers)
+        if self._sets is None or self._sets[0] != key:  # computed once per set of optimizers
+            self._sets = (key, self._partition())
+        return self._sets[1]
+
+    def _partition(self) -> list[list[nn.Parameter]]:
         params = list(self.module.parameters())
         if len(self.optimizers) <= 1:
             return [params]

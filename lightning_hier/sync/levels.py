@@ -15,16 +15,21 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
-from torch import Tensor
 
 from lightning_hier import _validate as v
+from lightning_hier.algorithms.averaging import float_buffers
 from lightning_hier.algorithms.two_level import INTRA_NODE, LevelBytes, TwoLevel, average_gradients_, two_level_problem
 from lightning_hier.comm import CommStats, all_reduce_mean_
 from lightning_hier.comm.collectives import Group
 from lightning_hier.topology import ProcessGroups, Topology
+
+if TYPE_CHECKING:
+    from torch.optim import Optimizer
+
+    from lightning_hier.sync.base import Binding
 
 TWO_LEVEL_ARGS = """        inter_node_every: ``None`` (default): one flat data-parallel group. An integer ``m >= 1``:
             two-level synchronisation on a multi-node job (``num_nodes > 1``): inside the node every
@@ -122,16 +127,22 @@ class Levels:
             self._intra_bytes = LevelBytes(stats)
 
     @torch.no_grad()
-    def average_in_node(
-        self, params: Sequence[Tensor], buffers: Sequence[Tensor], groups: ProcessGroups, stats: CommStats
-    ) -> None:
-        """``intra_node='step'``: average the gradients (and ``buffers``) over the node's replicas."""
-        if not self.node_steps or self._intra_bytes is None:
+    def average_in_node(self, binding: Binding | None, optimizer: Optimizer, sync_buffers: bool) -> None:
+        """``intra_node='step'``: average ``optimizer``'s gradients over the node's replicas (and the buffers).
+
+        The float buffers (forward updated the BatchNorm statistics) go with the first optimizer's
+        parameters, so the node's replicas stay equal.
+        """
+        if not self.node_steps or self._intra_bytes is None or binding is None:
             return
+        index = binding.index_of(optimizer)
+        params = [p for p in binding.parameter_sets()[index] if p.requires_grad]
+        buffers = float_buffers(binding.module) if sync_buffers and index == 0 else []
+        groups, stats = binding.groups, binding.stats
         with self._intra_bytes.counting("intra"):
-            average_gradients_([p for p in params if p.requires_grad], groups.data_intra, stats)
-            if buffers:  # forward updated BatchNorm statistics: keep the node's replicas equal
-                all_reduce_mean_(list(buffers), groups.data_intra, stats)
+            average_gradients_(params, groups.data_intra, stats)
+            if buffers:
+                all_reduce_mean_(buffers, groups.data_intra, stats)
 
     def metrics(self, level_bytes: LevelBytes | None, stats: CommStats) -> dict[str, float]:
         """``comm/bytes_intra`` and ``comm/bytes_inter``; empty on the flat rule.
