@@ -17,6 +17,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
+from lightning_hier.comm.quantized import DEFAULT_BLOCK, dequantize, padded_length, quantize
+
 Batch = tuple[Tensor, Tensor]
 
 
@@ -59,6 +61,7 @@ class Reference:
         outer_lr: float = 1.0,
         outer_momentum: float = 0.0,
         bf16: bool = False,
+        quantized: int | None = None,
     ) -> None:
         self.modules = [make_module() for _ in range(workers)]
         self.opts = [make_optimizer(m) for m in self.modules]
@@ -69,10 +72,13 @@ class Reference:
         self.V = [self.S.clone() for _ in self.modules]
         self.merge, self.outer_lr, self.outer_momentum, self.bf16 = merge, outer_lr, outer_momentum, bf16
         self.M: Tensor | None = None  # outer momentum buffer
-        self.E = [torch.zeros_like(self.S) for _ in self.modules]  # bf16 rounding residuals
+        self.E = [torch.zeros_like(self.S) for _ in self.modules]  # rounding residuals (bf16, int8, int4)
+        self.quantized = quantized  # bits of the quantized all-reduce, or None
 
     def _sent(self, deltas: list[Tensor]) -> list[Tensor]:
         """What each worker contributes to the sum: its change, or bf16(change + residual)."""
+        if self.quantized is not None:
+            return [self._quantized_sum(deltas)]
         if not self.bf16:
             return deltas
         out = []
@@ -82,9 +88,31 @@ class Reference:
             out.append(p)
         return out
 
+    def _quantized_sum(self, deltas: list[Tensor]) -> Tensor:
+        """The quantized all-reduce's SUM: each worker sends quantize(change + residual) (error feedback);
+        each shard's sum, in worker order, is quantized again; the result is the dequantized shards."""
+        bits, world, n = self.quantized, len(deltas), self.S.numel()
+        assert bits is not None
+        padded = padded_length(n, world, DEFAULT_BLOCK)
+        sent = []
+        for w, d in enumerate(deltas):
+            x = torch.zeros(padded)
+            x[:n] = d + self.E[w]
+            deq = dequantize(*quantize(x, bits, DEFAULT_BLOCK), bits, DEFAULT_BLOCK)
+            self.E[w] = (x - deq)[:n]
+            sent.append(deq)
+        shards = []
+        for j in range(world):
+            total = sent[0].chunk(world)[j]
+            for w in range(1, world):
+                total = total + sent[w].chunk(world)[j]
+            shards.append(dequantize(*quantize(total, bits, DEFAULT_BLOCK), bits, DEFAULT_BLOCK))
+        return torch.cat(shards)[:n]
+
     def _outer_step(self, sent: list[Tensor]) -> None:
         # torch.optim.SGD(lr, momentum, nesterov=True) on the outer gradient g = -mean(sent)
-        u = (torch.stack(sent).sum(0).float() if self.bf16 else torch.stack(sent).sum(0)) / len(sent)
+        count = len(self.modules)  # the quantized sum arrives as one tensor
+        u = (torch.stack(sent).sum(0).float() if self.bf16 else torch.stack(sent).sum(0)) / count
         if self.outer_momentum == 0.0:
             self.S = self.S + self.outer_lr * u
             return

@@ -59,6 +59,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -66,7 +67,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_hier import _validate as v
-from lightning_hier.algorithms.compression import COMPRESSIONS, Bf16ErrorFeedback
+from lightning_hier.algorithms.compression import COMPRESSIONS, Bf16ErrorFeedback, QuantizedChange
 from lightning_hier.algorithms.hpsgd_state import HPSGDCheckpoint
 from lightning_hier.algorithms.outer import OuterNesterov
 from lightning_hier.comm import CommStats, FlatTensors, all_reduce_sum_async, group_size, wait_all
@@ -169,8 +170,14 @@ class HPSGD(HPSGDCheckpoint):
         self.global_model: list[Tensor] = self.flat.clone()  # S
         self._delta: list[Tensor] = self.flat.zeros_like()  # d; also V in the paper rule's first window
         self._own_start: list[Tensor] | None = self.flat.clone() if merge == "eager" else None  # V
-        self.codec = Bf16ErrorFeedback(self.global_model) if compression == "bf16" else None
-        self.in_flight: list[Tensor] = self.codec.payload if self.codec else self.flat.zeros_like()  # fly
+        self.codec = _codec(compression, self.global_model, self.world)
+        self.in_flight: list[Tensor] = (  # fly: where the summed change lands
+            self.codec.payload
+            if isinstance(self.codec, Bf16ErrorFeedback)
+            else self.codec.total
+            if self.codec is not None
+            else self.flat.zeros_like()
+        )
         self.global_buffers: list[Tensor] = self.flat_buffers.clone() if self.flat_buffers else []
         self._buffers_in_flight: list[Tensor] = self.flat_buffers.zeros_like() if self.flat_buffers else []
         self._works: list[dist.Work] = []
@@ -249,7 +256,7 @@ class HPSGD(HPSGDCheckpoint):
         self._send()
         if self.reset_optimizer_state and self.optimizer is not None:
             self.optimizer.state.clear()
-        return Merge(window, blocked, payload_bytes(self._payload()), distance, self.merges)
+        return Merge(window, blocked, self._sent_bytes(), distance, self.merges)
 
     def _close_window(self) -> float:
         """Wait; put this window's change ``x - V`` in ``d``; apply the previous window's to ``S``.
@@ -296,16 +303,25 @@ class HPSGD(HPSGDCheckpoint):
         """
         if self.change_weight != 1.0:
             torch._foreach_mul_(self._delta + self._buffers_in_flight, self.change_weight)
-        if self.codec is not None:
-            self.in_flight = self.codec.encode_(self._delta)
-        else:  # d becomes the in-flight buffer; the waited one is the next scratch
-            self.in_flight, self._delta = self._delta, self.in_flight
-        self._works = all_reduce_sum_async(self._payload(), self.group, self.stats)
+        if isinstance(self.codec, QuantizedChange):  # its own all-reduce; the buffers' goes beside it
+            works: list[Any] = [self.codec.launch(self._delta, self.group, self.stats)] if self.group else []
+            self._works = works + all_reduce_sum_async(self._buffers_in_flight, self.group, self.stats)
+        else:
+            if self.codec is not None:
+                self.in_flight = self.codec.encode_(self._delta)
+            else:  # d becomes the in-flight buffer; the waited one is the next scratch
+                self.in_flight, self._delta = self._delta, self.in_flight
+            self._works = all_reduce_sum_async(self._payload(), self.group, self.stats)
         self.since_launch = 0
         self._blocked_mark = self.stats.blocked_s
 
     def _payload(self) -> list[Tensor]:
         return self.in_flight + self._buffers_in_flight
+
+    def _sent_bytes(self) -> int:
+        """Bytes of the payload sent for a window (the quantized size for int8 / int4)."""
+        change = self.codec.payload_bytes if isinstance(self.codec, QuantizedChange) else payload_bytes(self.in_flight)
+        return change + payload_bytes(self._buffers_in_flight)
 
     def _wait(self) -> None:
         # the only place an in-flight buffer becomes readable
@@ -377,6 +393,14 @@ class HPSGD(HPSGDCheckpoint):
                 if bufs:
                     torch._foreach_copy_(self._buffers(), bufs)
             self._replica = None
+
+
+def _codec(compression: str, like: list[Tensor], world: int) -> Bf16ErrorFeedback | QuantizedChange | None:
+    if compression == "bf16":
+        return Bf16ErrorFeedback(like)
+    if compression in ("int8", "int4"):
+        return QuantizedChange(like, compression, world)
+    return None
 
 
 def _norm(tensors: Sequence[Tensor]) -> float:

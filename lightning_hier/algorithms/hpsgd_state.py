@@ -13,7 +13,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from lightning_hier.algorithms.compression import Bf16ErrorFeedback
+from lightning_hier.algorithms.compression import Bf16ErrorFeedback, QuantizedChange
 from lightning_hier.algorithms.outer import OuterNesterov
 from lightning_hier.comm import FlatTensors
 
@@ -33,7 +33,7 @@ class _Parts(Protocol):
     in_flight: list[Tensor]
     global_buffers: list[Tensor]
     _buffers_in_flight: list[Tensor]
-    codec: Bf16ErrorFeedback | None
+    codec: Bf16ErrorFeedback | QuantizedChange | None
     outer: OuterNesterov
     _replica: tuple[list[Tensor], list[Tensor]] | None
 

@@ -40,8 +40,12 @@ class HPSGDStrategy(HierStrategy):
             momentum 0.9, Nesterov and AdamW) or ``'paper'`` (replica restarts from ``S``).
         outer_lr: Outer learning rate applied to the averaged window change (``1.0``: added as is).
         outer_momentum: Outer Nesterov momentum on the averaged change, as DiLoCo (``0.0``: none).
-        compression: ``'none'`` (float32 window changes) or ``'bf16'`` (bfloat16 with error
-            feedback: half the bytes; the global model stays float32).
+        compression: ``'none'`` (float32 window changes), ``'bf16'`` (bfloat16 with error feedback:
+            half the bytes), ``'int8'`` or ``'int4'`` (blockwise absmax quantization, round half to
+            even, with error feedback, reduced by the quantized all-reduce of
+            :mod:`lightning_hier.comm.quantized`: about a quarter or an eighth of the bytes, and
+            a rank sends about two quantized payloads whatever the number of ranks). The global
+            model stays float32. The quantized forms are flat only (no ``inter_node_every``).
         sync_buffers: Average floating-point buffers (BatchNorm statistics) at each merge, with
             the same one-window staleness as the parameters. ``False``: buffers stay local and
             each rank evaluates ``S`` with its own buffers.

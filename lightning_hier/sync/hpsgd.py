@@ -44,7 +44,7 @@ class HPSGDSync(Sync):
         merge: ``'eager'`` or ``'paper'``.
         outer_lr: Outer learning rate on the averaged window change.
         outer_momentum: Outer Nesterov momentum in ``[0, 1)``.
-        compression: ``'none'`` or ``'bf16'``.
+        compression: ``'none'``, ``'bf16'``, ``'int8'`` or ``'int4'``.
         sync_buffers: Average floating-point buffers (BatchNorm statistics) at each merge.
         reset_optimizer_state: Clear the inner optimizer's state at every merge.
         bucket_size_mb: Size bound of one flat buffer in MiB.
@@ -82,6 +82,8 @@ class HPSGDSync(Sync):
         self.sync_buffers, self.bucket_size_mb = check_bucket_options(owner, sync_buffers, bucket_size_mb)
         self.reset_optimizer_state = v.check_bool(owner, "reset_optimizer_state", reset_optimizer_state)
         self.levels = levels if levels is not None else Levels(owner)
+        if self.compression in ("int8", "int4"):
+            self.levels.refuse("compression", self.compression, "the quantized all-reduce runs over one flat group")
         if self.mode == "poll":
             self.levels.refuse(
                 "mode", "poll", "the readiness agreement of mode 'poll' is over one flat group; use mode='fixed'"

@@ -74,6 +74,9 @@ CASES = [{"window": h, "merge": "paper"} for h in (1, 2, 3)] + [
     {"window": 2, "merge": "eager", "batch_norm": True, "outer_lr": 0.7, "outer_momentum": 0.9},
     {"window": 3, "merge": "paper", "momentum": 0.9, "outer_lr": 0.7, "outer_momentum": 0.9},
     {"window": 2, "merge": "eager", "momentum": 0.9, "compression": "bf16"},
+    # quantized window changes, with error feedback, through the quantized all-reduce
+    {"window": 2, "merge": "eager", "momentum": 0.9, "compression": "int8"},
+    {"window": 3, "merge": "eager", "momentum": 0.9, "compression": "int4", "outer_lr": 0.7, "outer_momentum": 0.9},
 ]
 HP_ARGS = ("merge", "outer_lr", "outer_momentum", "compression")
 
@@ -85,7 +88,8 @@ def test_global_model_after_every_merge_matches_the_recurrence(world):
         window = case["window"]
         extra = {k: v for k, v in case.items() if k not in ("window", "compression")}
         bf16 = case.get("compression") == "bf16"
-        expected = _reference(world, fixed_merge_steps(window, STEPS), bf16=bf16, **extra)
+        bits = {"int8": 8, "int4": 4}.get(case.get("compression", ""))
+        expected = _reference(world, fixed_merge_steps(window, STEPS), bf16=bf16, quantized=bits, **extra)
         # gloo sums bfloat16 payloads pairwise in bfloat16; the reference rounds the exact sum once
         atol = 1e-6 if not bf16 or world == 2 else 1e-3
         for rank, result in enumerate(results):

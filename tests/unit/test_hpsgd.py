@@ -243,7 +243,7 @@ def test_loading_a_state_of_another_model_or_buffer_policy_is_rejected():
         ({"window": 2.5}, "argument `window` must be an integer >= 1, got 2.5"),
         ({"mode": "adaptive"}, "argument `mode` must be one of 'fixed', 'poll', got 'adaptive'"),
         ({"merge": "late"}, "argument `merge` must be one of 'eager', 'paper', got 'late'"),
-        ({"compression": "int8"}, "argument `compression` must be one of 'none', 'bf16', got 'int8'"),
+        ({"compression": "int2"}, "argument `compression` must be one of 'none', 'bf16', 'int8', 'int4', got 'int2'"),
         ({"outer_lr": float("inf")}, r"argument `outer_lr` must be a finite number > 0.0, got inf"),
         ({"outer_momentum": 1.0}, r"argument `outer_momentum` must be a finite number in \[0.0, 1.0\), got 1.0"),
         ({"sync_buffers": "yes"}, "argument `sync_buffers` must be True or False, got 'yes'"),
