@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-from lightning_hier.comm.quantized import DEFAULT_BLOCK, dequantize, padded_length, quantize
+from tests.quantized_reference import quantized_sum
 
 Batch = tuple[Tensor, Tensor]
 
@@ -89,25 +89,9 @@ class Reference:
         return out
 
     def _quantized_sum(self, deltas: list[Tensor]) -> Tensor:
-        """The quantized all-reduce's SUM: each worker sends quantize(change + residual) (error feedback);
-        each shard's sum, in worker order, is quantized again; the result is the dequantized shards."""
-        bits, world, n = self.quantized, len(deltas), self.S.numel()
-        assert bits is not None
-        padded = padded_length(n, world, DEFAULT_BLOCK)
-        sent = []
-        for w, d in enumerate(deltas):
-            x = torch.zeros(padded)
-            x[:n] = d + self.E[w]
-            deq = dequantize(*quantize(x, bits, DEFAULT_BLOCK), bits, DEFAULT_BLOCK)
-            self.E[w] = (x - deq)[:n]
-            sent.append(deq)
-        shards = []
-        for j in range(world):
-            total = sent[0].chunk(world)[j]
-            for w in range(1, world):
-                total = total + sent[w].chunk(world)[j]
-            shards.append(dequantize(*quantize(total, bits, DEFAULT_BLOCK), bits, DEFAULT_BLOCK))
-        return torch.cat(shards)[:n]
+        """The quantized all-reduce's SUM of every worker's change, with each worker's residual."""
+        assert self.quantized is not None
+        return quantized_sum(deltas, self.E, self.quantized)
 
     def _outer_step(self, sent: list[Tensor]) -> None:
         # torch.optim.SGD(lr, momentum, nesterov=True) on the outer gradient g = -mean(sent)

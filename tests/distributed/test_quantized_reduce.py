@@ -1,8 +1,6 @@
 """The quantized all-reduce on 2 and 4 gloo ranks equals a single-process reference, error feedback included.
 
-The reference simulates every rank in one process: each quantizes its payload plus its residual
-and keeps the new residual; each shard's owner sums the dequantized copies in rank order, divides
-by the ranks for a mean, quantizes the sum again; every rank dequantizes the gathered shards.
+The reference (:mod:`tests.quantized_reference`) simulates every rank in one process.
 """
 
 from __future__ import annotations
@@ -12,8 +10,9 @@ import torch
 import torch.distributed as dist
 
 from lightning_hier.comm import CommStats
-from lightning_hier.comm.quantized import QuantizedErrorFeedback, dequantize, padded_length, quantize
+from lightning_hier.comm.quantized import QuantizedErrorFeedback, padded_length
 from lightning_hier.testing import run_workers
+from tests.quantized_reference import quantized_sum
 
 ROUNDS, SIZES, BLOCK = 5, (37, 100), 16  # two tensors of odd sizes: padding and shard borders inside them
 
@@ -24,28 +23,11 @@ def _payload(rank: int, step: int) -> list[torch.Tensor]:
 
 
 def _reference(world: int, bits: int, mean: bool) -> list[torch.Tensor]:
-    n = sum(SIZES)
-    padded = padded_length(n, world, BLOCK)
-    residual = [torch.zeros(padded) for _ in range(world)]
-    results = []
-    for step in range(ROUNDS):
-        sent = []
-        for rank in range(world):
-            x = residual[rank].clone()
-            x[:n] += torch.cat(_payload(rank, step))
-            codes, scales = quantize(x, bits, BLOCK)
-            deq = dequantize(codes, scales, bits, BLOCK)
-            residual[rank] = x - deq
-            sent.append(deq)
-        shards = []
-        for j in range(world):  # the owner of shard j sums every rank's copy in rank order
-            total = sent[0].chunk(world)[j]
-            for rank in range(1, world):
-                total = total + sent[rank].chunk(world)[j]
-            total = total / world if mean else total
-            shards.append(dequantize(*quantize(total, bits, BLOCK), bits, BLOCK))
-        results.append(torch.cat(shards)[:n])
-    return results
+    residuals = [torch.zeros(sum(SIZES)) for _ in range(world)]
+    return [
+        quantized_sum([torch.cat(_payload(r, step)) for r in range(world)], residuals, bits, BLOCK, mean)
+        for step in range(ROUNDS)
+    ]
 
 
 def _reduce(bits: int, mean: bool) -> dict:
