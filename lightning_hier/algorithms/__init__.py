@@ -5,6 +5,7 @@ from lightning_hier.algorithms.centers import CenterPolicy, ElasticCenter, Leade
 from lightning_hier.algorithms.dbs import DynamicBatchSize, ThroughputMeter, shard_sizes, split_batch
 from lightning_hier.algorithms.dbs_sampler import Allocation, DynamicBatchSampler
 from lightning_hier.algorithms.decoupled import DecoupledPipeline
+from lightning_hier.algorithms.diloco import DiLoCo
 from lightning_hier.algorithms.grawa import GradientWeightedCenter, NormEMA, grad_norms, probe_grad_norms
 from lightning_hier.algorithms.hpsgd import HPSGD, Merge
 from lightning_hier.algorithms.param_server import DONE, PULL, PUSH, Handler, Reply, Request, ServerCore, ServerStats
@@ -21,6 +22,7 @@ __all__ = [
     "AsgdHandler",
     "CenterPolicy",
     "DecoupledPipeline",
+    "DiLoCo",
     "DynamicBatchSampler",
     "DynamicBatchSize",
     "ElasticCenter",

@@ -15,6 +15,7 @@ from lightning_hier.strategies.dbs import DBSStrategy
 from lightning_hier.strategies.dbs_async import AsyncDBSStrategy
 from lightning_hier.strategies.dbs_compose import DBSHPSGDStrategy, DBSLocalSGDStrategy
 from lightning_hier.strategies.decoupled import DecoupledStrategy
+from lightning_hier.strategies.diloco import DiLoCoStrategy
 from lightning_hier.strategies.grawa import GrawaStrategy
 from lightning_hier.strategies.grid2d import Grid2DStrategy
 from lightning_hier.strategies.hpsgd import HPSGDStrategy
@@ -27,6 +28,7 @@ STRATEGIES: tuple[type[HierStrategy], ...] = (
     LsgdStrategy,
     GrawaStrategy,
     HPSGDStrategy,
+    DiLoCoStrategy,
     DBSStrategy,
     DecoupledStrategy,
     Grid2DStrategy,
@@ -59,6 +61,7 @@ __all__ = [
     "DBSStrategy",
     "DDPCommHookStrategy",
     "DecoupledStrategy",
+    "DiLoCoStrategy",
     "EasgdStrategy",
     "GrawaStrategy",
     "Grid2DStrategy",

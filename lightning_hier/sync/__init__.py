@@ -7,6 +7,7 @@ Lightning Fabric loop through :meth:`Sync.attach`, and on Lightning's own ``ddp`
 
 ============================================  =====================================================
 :class:`HPSGDSync`                            HPSGD: each window's change all-reduced behind the next
+:class:`DiLoCoSync`                           DiLoCo: an outer Nesterov step per window, by fragments
 :class:`AveragingSync` (``.localsgd``,        a round every ``tau`` steps: Local SGD, EASGD, LSGD,
 ``.easgd``, ``.lsgd``, ``.grawa``)            GRAWA
 :class:`ShareWeightedGradients`               DBS: gradients weighted by each rank's batch share
@@ -20,6 +21,7 @@ from lightning_hier.sync.averaging import AveragingSync, NormSource, PullSchedul
 from lightning_hier.sync.base import Allocation, Binding, Sync
 from lightning_hier.sync.dbs import ShareWeightedGradients, SpeedShares
 from lightning_hier.sync.dbs_compose import SampleWeights
+from lightning_hier.sync.diloco import DiLoCoSync
 from lightning_hier.sync.hpsgd import HPSGDSync
 from lightning_hier.sync.levels import Levels
 from lightning_hier.sync.param_server import ServerShards, ServerSync
@@ -29,6 +31,7 @@ __all__ = [
     "Allocation",
     "AveragingSync",
     "Binding",
+    "DiLoCoSync",
     "HPSGDSync",
     "Levels",
     "NormSource",

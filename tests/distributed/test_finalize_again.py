@@ -13,11 +13,13 @@ import torch
 import torch.distributed as dist
 
 from lightning_hier.algorithms import HPSGD, ElasticCenter, LeaderCenter, PeriodicAveraging, UniformCenter
+from lightning_hier.algorithms.diloco import DiLoCo
 from lightning_hier.comm import CommStats
 from lightning_hier.testing import run_workers
 
-ALGORITHMS: dict[str, Callable[[list[torch.nn.Parameter], CommStats], HPSGD | PeriodicAveraging]] = {
+ALGORITHMS: dict[str, Callable[[list[torch.nn.Parameter], CommStats], HPSGD | PeriodicAveraging | DiLoCo]] = {
     "hpsgd": lambda p, s: HPSGD(p, dist.group.WORLD, window=3, stats=s),
+    "diloco": lambda p, s: DiLoCo(p, dist.group.WORLD, window=3, fragments=2, delay=1, stats=s),
     "localsgd": lambda p, s: PeriodicAveraging(p, dist.group.WORLD, UniformCenter(), tau=3, stats=s),
     "easgd": lambda p, s: PeriodicAveraging(p, dist.group.WORLD, ElasticCenter(0.5), tau=3, stats=s),
     "lsgd": lambda p, s: PeriodicAveraging(p, dist.group.WORLD, LeaderCenter(), tau=3, lam=0.5, rho=0.1, stats=s),

@@ -93,6 +93,8 @@ TWO_RANK_EXTRA = [
     Case("grid2d-model-2x1", "grid2d", {"grid": [2, 1]}),  # Linear layers sharded over 2 ranks
     Case("mgrawa-async", "mgrawa", {"rounds": "async"}),
     Case("hpsgd-bf16", "hpsgd", {"compression": "bf16"}),
+    Case("hpsgd-int4", "hpsgd", {"compression": "int4"}),  # the quantized all-reduce over NCCL
+    Case("diloco-streaming", "diloco", {"window": 4, "fragments": 2, "fragment_sync_delay": 1, "compression": "int8"}),
     Case("asgd-dedicated", "asgd", {"server": "dedicated"}),
     Case("asgd-shared-sampler", "asgd", {"sampler": "shared"}),
 ]

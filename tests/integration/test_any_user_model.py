@@ -28,6 +28,7 @@ NAMES = (
     "mgrawa",
     "lgrawa",
     "hpsgd",
+    "diloco",
     "dbs",
     "decoupled",
     "grid2d",

@@ -19,6 +19,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning_hier import (
     DBSHPSGDStrategy,
     DBSLocalSGDStrategy,
+    DiLoCoStrategy,
     EasgdStrategy,
     GrawaStrategy,
     HPSGDStrategy,
@@ -33,6 +34,7 @@ from tests.helpers import digits, digits_classifier, flat_params, trainer
 # 11 steps per epoch (digits, batch 64, 2 ranks): every period leaves a partial window at the end
 STRATEGIES: dict[str, Callable[[], HierStrategy]] = {
     "hpsgd": lambda: HPSGDStrategy(window=3, timeout=30),
+    "diloco": lambda: DiLoCoStrategy(window=3, fragments=2, fragment_sync_delay=1, timeout=30),
     "localsgd": lambda: LocalSGDStrategy(tau=5, timeout=30),
     "easgd": lambda: EasgdStrategy(tau=5, timeout=30),
     "lsgd": lambda: LsgdStrategy(tau=5, timeout=30),

@@ -16,8 +16,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_hier import DBSStrategy, GrawaStrategy, HPSGDStrategy, LocalSGDStrategy
-from lightning_hier.sync import AveragingSync, HPSGDSync, ShareWeightedGradients, SpeedShares
+from lightning_hier import DBSStrategy, DiLoCoStrategy, GrawaStrategy, HPSGDStrategy, LocalSGDStrategy
+from lightning_hier.sync import AveragingSync, DiLoCoSync, HPSGDSync, ShareWeightedGradients, SpeedShares
 from lightning_hier.testing import run_workers
 from tests.helpers import flat_params, trainer
 from tests.user_models import UserClassifier
@@ -83,6 +83,11 @@ def _dbs_sync() -> ShareWeightedGradients:
 CASES: dict[str, tuple[Callable[[], Any], Callable[[], Any], bool]] = {
     "hpsgd": (lambda: HPSGDStrategy(window=3, timeout=30), lambda: HPSGDSync(window=3), True),
     "localsgd": (lambda: LocalSGDStrategy(tau=4, timeout=30), lambda: AveragingSync.localsgd(tau=4), True),
+    "diloco": (
+        lambda: DiLoCoStrategy(window=4, fragments=2, fragment_sync_delay=1, timeout=30),
+        lambda: DiLoCoSync(window=4, fragments=2, fragment_sync_delay=1),
+        True,
+    ),
     "lgrawa": (
         lambda: GrawaStrategy(variant="layer", tau=4, probe="step", timeout=30),
         lambda: AveragingSync.grawa(variant="layer", tau=4),

@@ -21,6 +21,7 @@ from lightning_hier import (
     DBSLocalSGDStrategy,
     DBSStrategy,
     DecoupledStrategy,
+    DiLoCoStrategy,
     EasgdStrategy,
     GrawaStrategy,
     Grid2DStrategy,
@@ -38,6 +39,13 @@ FAMILIES: dict[str, tuple[Callable[[], Any], int]] = {  # strategy, devices
     "lsgd": (lambda: LsgdStrategy(tau=5, timeout=30), 2),
     "grawa": (lambda: GrawaStrategy(variant="layer", tau=5, rho=0.1, probe="batch", timeout=30), 2),
     "hpsgd": (lambda: HPSGDStrategy(window=4, timeout=30), 2),  # step 16 ends a window: one in flight
+    # 3 fragments sent at steps 2, 4, 0 mod 6, each landing 2 steps later: at the step-16 checkpoint one is in flight
+    "diloco": (
+        lambda: DiLoCoStrategy(
+            window=6, fragments=3, fragment_sync_delay=2, fragment_update_alpha=0.5, compression="int4", timeout=30
+        ),
+        2,
+    ),
     "grid2d": (lambda: Grid2DStrategy(grid=(2, 2), timeout=30), 4),
     # one replica of 2 stages (22 steps per epoch); 'sync' has no batch in flight between steps
     "decoupled-sync": (lambda: DecoupledStrategy(stages=2, schedule="sync", timeout=30), 2),

@@ -82,7 +82,7 @@ def test_local_sgd_averages_each_optimizers_parameters_on_its_own_steps():
     torch.testing.assert_close(r0["params"], _simulated(), atol=1e-6, rtol=0)
 
 
-@pytest.mark.parametrize("name", ["hpsgd", "localsgd", "dbs", "mgrawa", "lgrawa"])
+@pytest.mark.parametrize("name", ["hpsgd", "diloco", "localsgd", "dbs", "mgrawa", "lgrawa"])
 def test_a_gan_trains_by_name_at_default_arguments(name):
     torch.manual_seed(0)
     module = UserGAN()
@@ -108,7 +108,7 @@ class _ManualClassifier(UserClassifier):
         opt.step()
 
 
-@pytest.mark.parametrize("name", ["mgrawa", "lgrawa", "grawa", "localsgd", "hpsgd", "dbs", "asgd"])
+@pytest.mark.parametrize("name", ["mgrawa", "lgrawa", "grawa", "localsgd", "hpsgd", "diloco", "dbs", "asgd"])
 def test_manual_optimization_trains_by_name(name):
     torch.manual_seed(0)
     module = _ManualClassifier()
