@@ -75,8 +75,12 @@ def test_cleanup_removes_namespaces_of_dead_runs_only(emulation):
     run_cmd("ip", "netns", "add", dead)
     try:
         with EmulatedCluster(1, Link("1gbit")) as cluster:
-            assert cleanup(stale_only=True) == [dead]
-            assert cluster.namespace(0) in list_namespaces()
+            removed = cleanup(stale_only=True)
+            # other dead runs' namespaces may be swept too (a benchmark killed on this machine);
+            # what matters is that this one went and no live run's did
+            assert dead in removed
+            assert not [n for n in removed if n.startswith(f"lhb-{os.getpid()}-")]
+            assert cluster.namespace(0) in list_namespaces() and cluster.hub in list_namespaces()
     finally:
         cleanup(stale_only=True)
     assert dead not in list_namespaces()
