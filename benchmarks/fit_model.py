@@ -30,12 +30,16 @@ def with_consensus(p: Prediction, cluster: Cluster, run: dict[str, Any]) -> Pred
     validation hook), and the calibration already leaves the ``no-comm`` run's own out. It is one
     transfer of the model per epoch, blocking: its wire bytes at the link's rate, or at a blocking
     collective's own CPU cost per byte where that is slower. At 100 Mbit/s the MLP's 21 MB take 1.8 s, a fifth of a
-    16-step run.
+    16-step run. HPSGD sends nothing for it but waits for the window in flight: at most one
+    window's reduction, which is what is charged.
     """
     _, wire = validation_bytes(p, run)
-    if not wire or not run.get("steps"):
+    if p.strategy == "hpsgd":
+        consensus_s = float(p.detail.get("round_comm_s", 0.0))
+    else:
+        consensus_s = wire * max(cluster.byte_s, cluster.collective_s_per_byte)
+    if not consensus_s or not run.get("steps"):
         return p
-    consensus_s = wire * max(cluster.byte_s, cluster.collective_s_per_byte)
     step_s = p.step_s + run["epochs"] * consensus_s / mean_steps(run)
     return replace(p, step_s=step_s, detail={**p.detail, "consensus_s": consensus_s})
 
@@ -98,20 +102,20 @@ SERVED = ("asgd", "softsync", "dbs_async")
 def validation_bytes(p: Prediction, run: dict[str, Any]) -> tuple[float, float]:
     """``(payload, wire)`` bytes per rank of the consensus that each epoch's validation needs.
 
-    HPSGD and the averaging family when an epoch does not end on a round: one all-reduce of the
-    parameters (LSGD: a broadcast); GRAWA's asynchronous rounds: a pull of the server's center at
+    The averaging family when an epoch does not end on a round: one all-reduce of the parameters
+    (LSGD: a broadcast); HPSGD: none (it validates ``S`` advanced by the window in flight, which
+    every rank already has); GRAWA's asynchronous rounds: a pull of the server's center at
     every validation (point-to-point); the parameter-server strategies: a pull and a broadcast
     of the server's model, neither counted by ``CommStats``.
     """
     per_epoch = run["steps"] / run["epochs"]
-    word = 2 if p.args.get("compression") == "bf16" else 4
-    model = word * float((run.get("model") or {}).get("parameters") or 0)
+    model = 4 * float((run.get("model") or {}).get("parameters") or 0)  # float32 parameters
     share = (p.workers - 1) / p.workers
     if p.strategy in SERVED:
         return 0.0, 2 * share * model  # the pull's reply and the broadcast, both from rank 0
     if p.args.get("rounds") == "async":
         return model, share * model
-    if p.strategy == "hpsgd" or ("tau" in p.args and per_epoch % int(p.args["tau"]) != 0):
+    if "tau" in p.args and per_epoch % int(p.args["tau"]) != 0:
         return model, share * model * (1 if p.strategy == "lsgd" else 2)
     return 0.0, 0.0
 
@@ -152,6 +156,27 @@ def with_whole_rounds(p: Prediction, compute_s: float, run: dict[str, Any]) -> P
         payload_bytes=share * p.payload_bytes,
         blocked_s=share * p.blocked_s,
         detail={**p.detail, "rounds_share": share},
+    )
+
+
+def with_whole_windows(p: Prediction, run: dict[str, Any]) -> Prediction:
+    """HPSGD's reductions over the fit: the first step's, one per closed window, and the drain's.
+
+    HPSGD launches at step 1, then every ``window`` steps, and at the end of the fit sends the
+    steps since the last launch (:meth:`~lightning_hier.algorithms.hpsgd.HPSGD.finalize`): a fit of
+    ``S`` steps makes ``1 + ceil((S - 1) / H)`` reductions where the steady state counts ``S / H``.
+    Only the bytes change: the first reduction is hidden and the drain follows the training.
+    """
+    steps = int(run.get("steps") or 0)
+    window = p.args.get("window")
+    if p.strategy != "hpsgd" or window is None or steps <= 0:
+        return p
+    share = (1 + math.ceil((steps - 1) / int(window))) * int(window) / steps
+    return replace(
+        p,
+        wire_bytes=share * p.wire_bytes,
+        payload_bytes=share * p.payload_bytes,
+        detail={**p.detail, "reductions_share": share},
     )
 
 

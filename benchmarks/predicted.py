@@ -64,6 +64,7 @@ from benchmarks.fit_model import (
     with_final_reports,
     with_warmup,
     with_whole_rounds,
+    with_whole_windows,
 )
 from lightning_hier.simulator import Cluster, Prediction, Workload, all_reduce, one_straggler, parse_link, predict
 from lightning_hier.simulator.__main__ import PRESETS, workload_layers
@@ -223,6 +224,7 @@ def predict_run(label: str, run: dict[str, Any], result: dict[str, Any], world: 
         return steady
     fit = with_warmup(steady, workload, cluster, run) if strategy in REBALANCED else steady
     fit = with_final_reports(with_whole_rounds(fit, max(compute_s(workload, cluster)), run), run)
+    fit = with_whole_windows(fit, run)
     return fit if strategy == "no-comm" else with_consensus(fit, cluster, run)
 
 

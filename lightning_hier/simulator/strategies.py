@@ -13,7 +13,8 @@ ddp           all-reduce of ``P`` in DDP's buckets (first 1 MiB, then ``bucket_m
               in reverse order when the workload lists them) behind the
               backward; the last bucket (the first layers' gradients) is ready only at its end;
               ``F`` broadcast before every forward (``broadcast_buffers``)
-hpsgd         every ``window`` steps one all-reduce of ``P`` (bf16: ``P / 2``) + ``F``, hidden
+hpsgd         every ``window`` steps one all-reduce of ``P`` (bf16: ``P / 2``; int8 / int4: 1 or 1/2
+              byte per parameter + a 4-byte scale per 64) + ``F``, hidden
               behind the next window: ``max(H t + cpu cost, all-reduce) / H``; staleness ``H``
 localsgd      every ``tau`` steps a blocking all-reduce of ``P`` + ``F`` + the 8-byte consensus distance
 easgd         as localsgd (the center is the mean of the replicas)
@@ -165,12 +166,21 @@ def ddp(workload: Workload, cluster: Cluster, bucket_mb: float = 25.0) -> Predic
     )
 
 
+# bytes per parameter on the wire: bfloat16, or int8 / 4-bit codes with a float32 scale per 64 (comm.quantized)
+_WIRE_WORD = {"bf16": 2.0, "int8": 1.0 + 4 / 64, "int4": 0.5 + 4 / 64}
+
+
 def hpsgd(
     workload: Workload, cluster: Cluster, window: int = 2, compression: str = "none", sync_buffers: bool = True
 ) -> Prediction:
-    """HPSGD: one all-reduce per window, hidden behind the next window's compute."""
-    word = 2 if compression == "bf16" else workload.word_bytes
-    comm = all_reduce(workload.params * word + _buffer_bytes(workload, sync_buffers), cluster.workers, cluster)
+    """HPSGD: one all-reduce per window, hidden behind the next window's compute.
+
+    The quantized forms (``int8``, ``int4``) are costed as a ring all-reduce of their payload
+    (the all-to-all and all-gather of :mod:`lightning_hier.comm.quantized` move the same bytes);
+    the CPU time of quantizing is not modelled.
+    """
+    change = workload.params * _WIRE_WORD.get(compression, workload.word_bytes)
+    comm = all_reduce(change + _buffer_bytes(workload, sync_buffers), cluster.workers, cluster)
     work = compute_s(workload, cluster)
     period, _ = overlapped(window * max(work), comm, cluster)
     period += sync_wait(cluster, window)  # each window's reduction needs every worker's replica

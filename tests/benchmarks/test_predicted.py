@@ -19,10 +19,12 @@ from lightning_hier.simulator.__main__ import PRESETS
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "results.json"
 SIMULATOR = RESULTS.parent / "simulator"  # the current measurements beside the simulator's predictions
 OLDER = RESULTS.parents[1] / "notes" / "runs"  # older invocations, cited by the dated notes
+# a fixed invocation (4 epochs, before runs recorded the model's size) that these tests are written against
+MLP_RUN = OLDER / "hpsgd_mlp_100mbit-4epochs.json"
 
 
 def _mlp_result() -> dict:
-    result = copy.deepcopy(json.loads(RESULTS.read_text())["workloads"]["hpsgd_mlp_100mbit"])
+    result = copy.deepcopy(json.loads(MLP_RUN.read_text())["workloads"]["hpsgd_mlp_100mbit"])
     net = mlp((3, 32, 32), 10, hidden=(1024, 1024, 1024))  # the workload's model (recipes/hpsgd)
     model = {"parameters": sum(p.numel() for p in net.parameters()), "float_buffers": 0, "tensors": 8}
     for run in result["runs"].values():
@@ -48,7 +50,7 @@ def test_the_table_predicts_every_modelled_run_and_marks_the_others():
 
 
 def test_no_prediction_without_the_model_size():
-    result = json.loads(RESULTS.read_text())["workloads"]["hpsgd_mlp_100mbit"]
+    result = json.loads(MLP_RUN.read_text())["workloads"]["hpsgd_mlp_100mbit"]
     assert predict_run("localsgd", result["runs"]["localsgd"], result, world=2) is None
 
 
@@ -189,18 +191,33 @@ def test_the_grid_is_predicted_from_the_presets_layer_list_and_other_networks_ar
     assert predict_run("grid2d", other["runs"]["grid2d"], other, world=2) is None  # no preset of that network
 
 
-def test_each_validations_consensus_is_on_the_training_clock():
-    """HPSGD builds a consensus model (one all-reduce of the 21 MB MLP) at every validation: at
-    100 Mbit/s that takes 21 MB * 8 / 94.4 Mbit/s = 1.78 s per epoch, spread over the epoch's steps.
-    Local SGD with tau = 4 ends its epochs on a round and needs none."""
+def test_each_validations_wait_for_the_window_in_flight_is_on_the_training_clock():
+    """HPSGD validates S plus the window in flight: it sends nothing more but waits for that
+    window's reduction, at most one all-reduce of the 21 MB MLP: at 100 Mbit/s 2 alpha +
+    21 MB * 8 / 94.4 Mbit/s = 1.78 s per epoch, spread over the epoch's steps. Local SGD with
+    tau = 4 ends its epochs on a round and needs none."""
     result = _mlp_result()
     run = result["runs"]["hpsgd-w4"]
     p = predict_run("hpsgd-w4", run, result, world=2)
     assert p is not None
     model_bytes = 4 * run["model"]["parameters"]
-    assert p.detail["consensus_s"] == pytest.approx(model_bytes * 8 / (0.944 * 100e6), rel=1e-6)
+    assert p.detail["consensus_s"] == pytest.approx(2 * 50e-6 + model_bytes * 8 / (0.944 * 100e6), rel=1e-6)
     local = predict_run("localsgd", result["runs"]["localsgd"], result, world=2)
     assert local is not None and "consensus_s" not in local.detail
+
+
+def test_hpsgds_fit_sends_the_first_steps_change_every_window_and_the_drain():
+    """hpsgd-w4, 4 epochs of 48 steps: launches at steps 1, 5, ..., 189 and a drain of steps 190-192,
+    1 + ceil(191 / 4) = 49 reductions of the model where the steady state counts 192 / 4 = 48;
+    CommStats counted the payload of exactly those."""
+    result = _mlp_result()
+    run = result["runs"]["hpsgd-w4"]
+    p = predict_run("hpsgd-w4", run, result, world=2)
+    assert p is not None
+    _, payload = predicted_bytes(p, run, result)
+    model_bytes = 4 * run["model"]["parameters"]
+    assert run["steps"] == 192 and payload == pytest.approx(49 * model_bytes, rel=1e-9)
+    assert payload == pytest.approx(run["payload_bytes"][0], rel=0.005)
 
 
 def test_easgds_end_of_fit_catch_up_is_one_more_model_of_payload():
