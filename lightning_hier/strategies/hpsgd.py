@@ -24,9 +24,9 @@ class HPSGDStrategy(HierStrategy):
     the average change (one window stale) and the replica restarts from ``S`` plus its own
     newest change (``merge='eager'``, the default) or from ``S`` alone (``merge='paper'``, Zhou
     et al.'s rule, which needs light inner momentum). Validation during fit and the checkpoint's
-    ``state_dict`` hold the model ``fit()`` would return at that point (``S`` advanced by the
-    window in flight and the mean of the steps since), equal on every rank; at the end of fit
-    those are merged for good, so no update is lost. The exact rules are in
+    ``state_dict`` hold the newest model every rank agrees on (``S`` advanced by the window in
+    flight; nothing more is sent), equal on every rank; it lags the replicas by the steps since
+    the last launch, which the end of fit merges too, so no update is lost. The exact rules are in
     :mod:`lightning_hier.algorithms.hpsgd`.
 
     Args:
