@@ -363,6 +363,9 @@ SCENARIOS: tuple[Scenario, ...] = (
     *ddp_peers("hpsgd_mlp_100mbit", period=4),
     Scenario("hpsgd_cnn", "hpsgd", {"window": 4}, Target("final_acc", ">=", 0.984, "within 1 point of DDP's ~0.63")),
     Scenario("hpsgd_cnn", "hpsgd", {"window": 4, "merge": "paper"}, label="hpsgd-paper"),
+    # the merge `delay` steps after the launch instead of a window: less staleness, less time to hide
+    Scenario("hpsgd_cnn", "hpsgd", {"window": 4, "delay": 1}, label="hpsgd-d1"),
+    Scenario("hpsgd_cnn", "hpsgd", {"window": 4, "delay": 2}, label="hpsgd-d2"),
     *ddp_peers("hpsgd_cnn", period=4),
     Scenario("grawa_cnn", "localsgd", {"tau": 8}, Target("bytes_per_epoch", "~", 1 / 8, "P floats every tau=8 steps")),
     *ddp_peers("grawa_cnn", period=8, hooks=("post_local_sgd",)),

@@ -161,3 +161,50 @@ class Reference:
             self._restart_from_global(merge=False)
         history.append(self.S.clone())
         return history
+
+    @torch.no_grad()
+    def _merge_delayed(self, pending: list[Tensor], pending_buffers: list[Tensor]) -> None:
+        """The eager merge ``delay`` steps after a launch: S advances; each replica keeps its steps since."""
+        self._outer_step(pending)
+        if self.sync_buffers:
+            self.B = torch.stack(pending_buffers).mean(0)
+        for w, module in enumerate(self.modules):
+            since = params_of(module) - self.V[w]
+            vector_to_parameters(self.S + since, module.parameters())
+            if self.sync_buffers:
+                _set_buffers(module, self.B)
+            if self.reset:
+                self.opts[w].state.clear()
+        self.V = [self.S.clone() for _ in self.modules]
+
+    def run_delayed(self, data: Callable[[int, int], Batch], total: int, window: int, delay: int) -> list[Tensor]:
+        """HPSGD with ``delay``: launches at steps 1, 1 + H, ...; each merged ``delay`` steps later (eager rule).
+
+        Returns S after every merge and at the end, like :meth:`run`.
+        """
+        assert self.merge == "eager"
+        history: list[Tensor] = []
+        pending: list[Tensor] | None = None  # the launched, not yet merged window's per-worker payloads
+        pending_buffers: list[Tensor] = []
+        last_launch = None
+        for step in range(1, total + 1):
+            self._train_step([data(w, step - 1) for w in range(len(self.modules))])
+            if pending is not None and last_launch is not None and step - last_launch == delay:
+                self._merge_delayed(pending, pending_buffers)
+                history.append(self.S.clone())
+                pending = None
+            if last_launch is None or step - last_launch == window:
+                x = self._x()
+                pending = self._sent([xw - vw for xw, vw in zip(x, self.V, strict=True)])
+                pending_buffers = [buffers_of(m) for m in self.modules]
+                self.V, last_launch = x, step
+        if last_launch is not None:  # drain: the window in flight, then the steps since the last launch
+            if pending is not None:
+                self._merge_delayed(pending, pending_buffers)
+            if total > last_launch:
+                x = self._x()
+                self._outer_step(self._sent([xw - vw for xw, vw in zip(x, self.V, strict=True)]))
+                self.B = torch.stack([buffers_of(m) for m in self.modules]).mean(0)
+            self._restart_from_global(merge=False)
+        history.append(self.S.clone())
+        return history

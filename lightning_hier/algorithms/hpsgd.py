@@ -147,8 +147,10 @@ class HPSGD(HPSGDCheckpoint):
         control_group: Group = None,
         optimizer: Optimizer | None = None,
         reset_optimizer_state: bool = False,
+        delay: int | None = None,
     ) -> None:
         window = v.check_int("HPSGD", "window", window, minimum=1)
+        delay = window if delay is None else v.check_int("HPSGD", "delay", delay, minimum=1, maximum=window)
         for name, value, allowed in (
             ("mode", mode, MODES),
             ("merge", merge, MERGES),
@@ -158,7 +160,12 @@ class HPSGD(HPSGDCheckpoint):
                 raise ValueError(f"HPSGD: argument `{name}` must be one of {allowed}, got {value!r}.")
         if reset_optimizer_state and optimizer is None:
             raise ValueError("HPSGD: `reset_optimizer_state=True` needs the inner `optimizer`.")
-        self.group, self.window, self.mode, self.merge = group, window, mode, merge
+        if delay < window and (merge, mode) != ("eager", "fixed"):
+            raise ValueError(
+                f"HPSGD: argument `delay` ({delay}) below `window` ({window}) needs merge='eager' and "
+                f"mode='fixed', got merge={merge!r}, mode={mode!r}."
+            )
+        self.group, self.window, self.mode, self.merge, self.delay = group, window, mode, merge, delay
         self.control_group = control_group if control_group is not None else group
         self.world = group_size(group)
         self.stats = stats if stats is not None else CommStats()
@@ -183,6 +190,7 @@ class HPSGD(HPSGDCheckpoint):
         self._works: list[dist.Work] = []
         self._replica: tuple[list[Tensor], list[Tensor]] | None = None  # saved while in consensus()
         self.launched = False
+        self.pending = False  # a launched window not merged yet (with delay == window: always, once launched)
         self.first_window = False
         self.since_launch = 0
         self.steps = 0
@@ -214,6 +222,12 @@ class HPSGD(HPSGDCheckpoint):
         if not self.launched:
             self._first_launch()
             return None
+        if self.delay < self.window:  # merge `delay` steps after a launch, launch every `window` steps
+            if self.pending and self.since_launch == self.delay:
+                return self._merge_early()
+            if self.since_launch == self.window:
+                self._launch()
+            return None
         if not self._ready():
             return None
         return self._merge()
@@ -227,6 +241,37 @@ class HPSGD(HPSGDCheckpoint):
         self.launched, self.first_window = True, True
         self._send()
         torch._foreach_copy_(self._start(), self.replica)  # V <- x
+
+    @torch.no_grad()
+    def _merge_early(self) -> Merge:
+        """``delay`` steps after a launch: ``S <- S + F / W``; ``x <- S + (x - V)``; ``V <- S``.
+
+        ``x - V`` is this rank's change since the launch, not yet sent; with ``V = S`` the next
+        launch sends exactly that change plus the steps until then.
+        """
+        self._wait()
+        distance = _norm(torch._foreach_sub(self.replica, self.global_model))
+        self._apply_in_flight()
+        assert self._own_start is not None  # delay < window needs merge='eager'
+        torch._foreach_sub_(self.replica, self._own_start)
+        torch._foreach_add_(self.replica, self.global_model)
+        torch._foreach_copy_(self._own_start, self.global_model)
+        if self.flat_buffers is not None:
+            torch._foreach_copy_(self._buffers(), self.global_buffers)
+        self.first_window = False
+        self.merges += 1
+        if self.reset_optimizer_state and self.optimizer is not None:
+            self.optimizer.state.clear()
+        blocked = self.stats.blocked_s - self._blocked_mark
+        return Merge(self.window, blocked, self._sent_bytes(), distance, self.merges)
+
+    @torch.no_grad()
+    def _launch(self) -> None:
+        """``window`` steps after the previous launch (its change already merged): send ``x - V``; ``V <- x``."""
+        torch._foreach_copy_(self._delta, torch._foreach_sub(self.replica, self._start()))
+        self._stage_buffers()
+        self._send()
+        torch._foreach_copy_(self._start(), self.replica)
 
     def _ready(self) -> bool:
         if self.since_launch < self.window:
@@ -276,7 +321,13 @@ class HPSGD(HPSGDCheckpoint):
         return distance
 
     def _apply_in_flight(self) -> None:
-        """``S <- outer(S, F / W)``; the global buffers become the in-flight buffers' mean."""
+        """``S <- outer(S, F / W)``; the global buffers become the in-flight buffers' mean.
+
+        A no-op when nothing is pending (with ``delay < window``, between a merge and the next launch).
+        """
+        if not self.pending:
+            return
+        self.pending = False
         self.outer.step_(self.global_model, self.in_flight, scale=1.0 / self.world)
         if self.flat_buffers is not None:
             torch._foreach_copy_(self.global_buffers, self._buffers_in_flight)
@@ -313,6 +364,7 @@ class HPSGD(HPSGDCheckpoint):
                 self.in_flight, self._delta = self._delta, self.in_flight
             self._works = all_reduce_sum_async(self._payload(), self.group, self.stats)
         self.since_launch = 0
+        self.pending = True
         self._blocked_mark = self.stats.blocked_s
 
     def _payload(self) -> list[Tensor]:
@@ -337,9 +389,9 @@ class HPSGD(HPSGDCheckpoint):
         """
         if not self.launched:
             return
-        partial = self.since_launch > 0
+        partial, pending = self.since_launch > 0, self.pending
         self._close_window()
-        self.merges += 1
+        self.merges += int(pending)
         if partial:  # the steps since the last launch: a blocking reduction, once per fit
             self._send()
             self._wait()
@@ -359,7 +411,7 @@ class HPSGD(HPSGDCheckpoint):
 
     def _current_model(self) -> tuple[list[Tensor], list[Tensor]]:
         """``S`` and the buffers advanced by the window in flight, without changing any state."""
-        if not self.launched:
+        if not self.pending:
             return self.global_model, self.global_buffers
         self._wait()
         model = [s.clone() for s in self.global_model]

@@ -26,6 +26,7 @@ class _Parts(Protocol):
     merges: int
     since_launch: int
     launched: bool
+    pending: bool
     first_window: bool
     flat: FlatTensors
     flat_buffers: FlatTensors | None
@@ -70,6 +71,7 @@ class HPSGDCheckpoint:
             "merges": self.merges,
             "since_launch": self.since_launch,
             "launched": self.launched,
+            "pending": self.pending,
             "first_window": self.first_window,
             "global_model": self.global_tensors(),
         }
@@ -112,6 +114,7 @@ class HPSGDCheckpoint:
         self.steps, self.merges = int(state["steps"]), int(state["merges"])
         self.since_launch = int(state["since_launch"])
         self.launched, self.first_window = bool(state["launched"]), bool(state["first_window"])
+        self.pending = bool(state.get("pending", self.launched))  # without `delay`, launched means pending
         load_flat(self.flat, self.global_model, state["global_model"], "global_model")
         if self.launched:
             load_flat(self.flat, self.in_flight, state["in_flight"], "in_flight")

@@ -16,6 +16,7 @@ ddp           all-reduce of ``P`` in DDP's buckets (first 1 MiB, then ``bucket_m
 hpsgd         every ``window`` steps one all-reduce of ``P`` (bf16: ``P / 2``; int8 / int4: 1 or 1/2
               byte per parameter + a 4-byte scale per 64) + ``F``, hidden
               behind the next window: ``max(H t + cpu cost, all-reduce) / H``; staleness ``H``
+              (``delay`` ``D``: hidden behind ``D`` steps, ``(H - D) t + max(D t + cpu, all-reduce)``)
 localsgd      every ``tau`` steps a blocking all-reduce of ``P`` + ``F`` + the 8-byte consensus distance
 easgd         as localsgd (the center is the mean of the replicas)
 lsgd          as localsgd, with the leader's replica *broadcast* after an all-reduce of ``W`` losses
@@ -171,22 +172,29 @@ _WIRE_WORD = {"bf16": 2.0, "int8": 1.0 + 4 / 64, "int4": 0.5 + 4 / 64}
 
 
 def hpsgd(
-    workload: Workload, cluster: Cluster, window: int = 2, compression: str = "none", sync_buffers: bool = True
+    workload: Workload,
+    cluster: Cluster,
+    window: int = 2,
+    compression: str = "none",
+    sync_buffers: bool = True,
+    delay: int | None = None,
 ) -> Prediction:
     """HPSGD: one all-reduce per window, hidden behind the next window's compute.
 
     The quantized forms (``int8``, ``int4``) are costed as a ring all-reduce of their payload
     (the all-to-all and all-gather of :mod:`lightning_hier.comm.quantized` move the same bytes);
-    the CPU time of quantizing is not modelled.
+    the CPU time of quantizing is not modelled. With ``delay`` the reduction hides behind
+    ``delay`` steps instead of the window's ``window``.
     """
     change = workload.params * _WIRE_WORD.get(compression, workload.word_bytes)
     comm = all_reduce(change + _buffer_bytes(workload, sync_buffers), cluster.workers, cluster)
     work = compute_s(workload, cluster)
-    period, _ = overlapped(window * max(work), comm, cluster)
-    period += sync_wait(cluster, window)  # each window's reduction needs every worker's replica
+    hidden = window if delay is None else delay
+    period, _ = overlapped(hidden * max(work), comm, cluster)
+    period += (window - hidden) * max(work) + sync_wait(cluster, window)  # each reduction needs every replica
     fastest = window * min(work) + cluster.cpu_s_per_byte * comm.wire_bytes
-    args = {"window": window, "compression": compression, "sync_buffers": sync_buffers}
-    return _periodic("hpsgd", workload, cluster, args, window, period, fastest, comm, float(window))
+    args = {"window": window, "compression": compression, "sync_buffers": sync_buffers, "delay": delay}
+    return _periodic("hpsgd", workload, cluster, args, window, period, fastest, comm, float(hidden))
 
 
 def _round(workload: Workload, cluster: Cluster, sync_buffers: bool, center: Comm) -> Comm:

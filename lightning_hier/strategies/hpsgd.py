@@ -53,6 +53,12 @@ class HPSGDStrategy(HierStrategy):
             merge; by default it carries over.
         bucket_size_mb: Size bound of one flat buffer (MiB, >= 0.001): the parameters are views of a few
             buckets, so a very large model is reduced in a few calls, not one per tensor.
+        delay: Optimizer steps from a window's launch to its merge, in ``[1, window]``. ``None``
+            (default): ``window``, the paper's schedule, where the average merged is one window old.
+            A smaller delay brings the others' changes in sooner (less staleness: better accuracy
+            with momentum) and leaves the reduction ``delay`` steps of compute to hide behind;
+            the launches stay every ``window`` steps. Needs ``merge='eager'``, mode ``'fixed'``
+            and one level.
     {two_level}
         **kwargs: See :class:`~lightning_hier.strategies.HierStrategy` (``timeout``,
             ``start_method``, ...).
@@ -93,6 +99,7 @@ class HPSGDStrategy(HierStrategy):
         sync_buffers: bool = True,
         reset_optimizer_state: bool = False,
         bucket_size_mb: float = 25.0,
+        delay: int | None = None,
         inter_node_every: int | None = None,
         intra_node: str = "window",
         **kwargs: Any,
@@ -109,6 +116,7 @@ class HPSGDStrategy(HierStrategy):
             sync_buffers,
             reset_optimizer_state,
             bucket_size_mb,
+            delay=delay,
             levels=levels,
             owner=owner,
         )

@@ -48,6 +48,8 @@ class HPSGDSync(Sync):
         sync_buffers: Average floating-point buffers (BatchNorm statistics) at each merge.
         reset_optimizer_state: Clear the inner optimizer's state at every merge.
         bucket_size_mb: Size bound of one flat buffer in MiB.
+        delay: Optimizer steps from a window's launch to its merge, in ``[1, window]``; ``None``:
+            ``window`` (the paper's one-window-late average).
         levels: Flat (default) or two-level synchronisation.
         weights: DBS's sample weights of each rank's change (``dbs_hpsgd``); ``None``: the plain mean.
         owner: The name in error messages.
@@ -66,6 +68,7 @@ class HPSGDSync(Sync):
         sync_buffers: bool = True,
         reset_optimizer_state: bool = False,
         bucket_size_mb: float = 25.0,
+        delay: int | None = None,
         levels: Levels | None = None,
         weights: SampleWeights | None = None,
         owner: str = "HPSGDSync",
@@ -82,6 +85,15 @@ class HPSGDSync(Sync):
         self.sync_buffers, self.bucket_size_mb = check_bucket_options(owner, sync_buffers, bucket_size_mb)
         self.reset_optimizer_state = v.check_bool(owner, "reset_optimizer_state", reset_optimizer_state)
         self.levels = levels if levels is not None else Levels(owner)
+        self.delay = None if delay is None else v.check_int(owner, "delay", delay, minimum=1, maximum=self.window)
+        if self.delay is not None and self.delay < self.window:
+            for name, value, allowed in (("merge", self.merge, "eager"), ("mode", self.mode, "fixed")):
+                if value != allowed:
+                    raise ValueError(
+                        f"{owner}: argument `delay`={self.delay} (below window={self.window}) needs "
+                        f"{name}={allowed!r}, got {name}={value!r}."
+                    )
+            self.levels.refuse("delay", self.delay, "two levels merge every window; leave delay unset")
         if self.compression in ("int8", "int4"):
             self.levels.refuse("compression", self.compression, "the quantized all-reduce runs over one flat group")
         if self.mode == "poll":
@@ -125,6 +137,7 @@ class HPSGDSync(Sync):
                 control_group=self._poll_group(binding),
                 optimizer=binding.optimizers[index] if binding.optimizers else None,
                 reset_optimizer_state=self.reset_optimizer_state,
+                delay=self.delay if two is None else None,
             )
             self.algorithms.append(TwoLevelHPSGD(node, two) if two is not None else node)
         if self.weights is not None:

@@ -193,3 +193,47 @@ def test_window_one_with_plain_sgd_is_one_stale_synchronous_sgd():
         s.append(s[-1] - lr * mean_grad(s[-2]))
     for x in out:
         torch.testing.assert_close(x, s[steps], atol=1e-6, rtol=0)
+
+
+DELAYED = [
+    {"window": 4, "delay": 1, "momentum": 0.9},
+    {"window": 4, "delay": 3, "momentum": 0.9, "batch_norm": True},  # the fit ends with a window in flight
+    {"window": 3, "delay": 2, "momentum": 0.9, "compression": "int4", "outer_lr": 0.7, "outer_momentum": 0.9},
+    {"window": 4, "delay": 2, "compression": "bf16", "reset_optimizer_state": True, "momentum": 0.9},
+    {"window": 3, "delay": 3, "momentum": 0.9},  # delay == window: the default schedule
+]
+
+
+def _delayed_steps(window: int, delay: int) -> list[int]:
+    return list(range(1 + delay, STEPS + 1, window))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_shorter_delay_merges_each_window_delay_steps_after_its_launch_as_the_reference(world):
+    results = run_workers(_grid, DELAYED, devices=world, timeout=120)
+    for i, case in enumerate(DELAYED):
+        window, delay = case["window"], case["delay"]
+        kw = {k: v for k, v in case.items() if k in ("outer_lr", "outer_momentum", "reset_optimizer_state")}
+        bits = {"int4": 4}.get(case.get("compression", ""))
+        bf16 = case.get("compression") == "bf16"
+        ref = Reference(
+            partial(_net, case.get("batch_norm", False)),
+            partial(_sgd, momentum=case["momentum"]),
+            _loss,
+            world,
+            merge="eager",
+            bf16=bf16,
+            quantized=bits,
+            **kw,
+        )
+        expected = ref.run_delayed(_batch, STEPS, window, delay)
+        atol = 1e-6 if not bf16 or world == 2 else 1e-3
+        for rank, result in enumerate(results):
+            got = result[i]
+            assert got["merge_steps"] == _delayed_steps(window, delay), (case, rank)
+            assert len(got["history"]) == len(expected)
+            for r, (a, b) in enumerate(zip(got["history"], expected, strict=True)):
+                torch.testing.assert_close(a, b, atol=atol, rtol=0, msg=f"{case} rank {rank} merge {r}")
+        if delay == window:  # the same model as the default schedule's reference
+            same = _reference(world, fixed_merge_steps(window, STEPS), momentum=case["momentum"], merge="eager")
+            torch.testing.assert_close(expected[-1], same[-1], atol=1e-6, rtol=0)

@@ -68,7 +68,9 @@ def _fit_shards(window: int, epochs: int, hp: dict | None = None, **trainer_kwar
     return {"history": rec.history, "metrics": dict(t.strategy.last_metrics)}
 
 
-def _reference(world: int, window: int, epochs: int, accumulate: int = 1, **kw: object) -> list[torch.Tensor]:
+def _reference(
+    world: int, window: int, epochs: int, accumulate: int = 1, delay: int | None = None, **kw: object
+) -> list[torch.Tensor]:
     steps_per_epoch = N // (BATCH * accumulate)
     total = steps_per_epoch * epochs
     data = [_shard(w) for w in range(world)]
@@ -85,11 +87,14 @@ def _reference(world: int, window: int, epochs: int, accumulate: int = 1, **kw: 
         micro_batches=accumulate,
         **kw,
     )
+    if delay is not None:
+        return ref.run_delayed(batch, total, window, delay)
     return ref.run(batch, total, fixed_merge_steps(window, total))
 
 
 EAGER = {"merge": "eager"}
 DILOCO = {"merge": "eager", "outer_lr": 0.7, "outer_momentum": 0.9, "compression": "bf16"}
+DELAYED = {"merge": "eager", "delay": 1}  # each window merged one step after its launch
 
 
 def _assert_equal_but_for_bf16_flips(a: torch.Tensor, b: torch.Tensor, where: str) -> None:
@@ -117,8 +122,9 @@ def _assert_equal_but_for_bf16_flips(a: torch.Tensor, b: torch.Tensor, where: st
         (2, 3, 2, EAGER, {}, EAGER),
         (4, 2, 2, EAGER, {}, EAGER),
         (2, 2, 2, DILOCO, {}, {"merge": "eager", "outer_lr": 0.7, "outer_momentum": 0.9, "bf16": True}),
+        (2, 4, 2, DELAYED, {}, DELAYED),
     ],
-    ids=["W2-H3", "W4-H2", "accumulation", "clipping", "eager-W2-H3", "eager-W4-H2", "eager-outer-bf16"],
+    ids=["W2-H3", "W4-H2", "accumulation", "clipping", "eager-W2-H3", "eager-W4-H2", "eager-outer-bf16", "delay-1"],
 )
 def test_global_model_after_every_merge_matches_the_recurrence(world, window, epochs, hp, trainer_kwargs, ref_kwargs):
     out = run_workers(_fit_shards, window, epochs, hp, devices=world, **trainer_kwargs)

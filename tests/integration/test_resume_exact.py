@@ -39,6 +39,8 @@ FAMILIES: dict[str, tuple[Callable[[], Any], int]] = {  # strategy, devices
     "lsgd": (lambda: LsgdStrategy(tau=5, timeout=30), 2),
     "grawa": (lambda: GrawaStrategy(variant="layer", tau=5, rho=0.1, probe="batch", timeout=30), 2),
     "hpsgd": (lambda: HPSGDStrategy(window=4, timeout=30), 2),  # step 16 ends a window: one in flight
+    # launches at steps 1, 7, 13, each merged 2 steps later: at the step-16 checkpoint nothing is in flight
+    "hpsgd-delay": (lambda: HPSGDStrategy(window=6, delay=2, compression="int8", timeout=30), 2),
     # 3 fragments sent at steps 2, 4, 0 mod 6, each landing 2 steps later: at the step-16 checkpoint one is in flight
     "diloco": (
         lambda: DiLoCoStrategy(
