@@ -61,9 +61,30 @@ def _grid(cases: list[dict]) -> list[dict]:
     return [_train(**case) for case in cases]
 
 
-def _reference(world: int, merge_steps: list[int], momentum: float = 0.0, batch_norm: bool = False, **kw) -> list:
-    ref = Reference(partial(_net, batch_norm), partial(_sgd, momentum=momentum), _loss, world, **kw)
-    return ref.run(_batch, STEPS, merge_steps)
+def _make_reference(world: int, momentum: float = 0.0, batch_norm: bool = False, **kw) -> Reference:
+    return Reference(partial(_net, batch_norm), partial(_sgd, momentum=momentum), _loss, world, **kw)
+
+
+def _reference(world: int, merge_steps: list[int], **kw) -> list:
+    return _make_reference(world, **kw).run(_batch, STEPS, merge_steps)
+
+
+def _codec_args(case: dict) -> dict:
+    """The reference's form of a case's ``compression``."""
+    compression = case.get("compression", "none")
+    return {"bf16": compression == "bf16", "quantized": {"int8": 8, "int4": 4}.get(compression)}
+
+
+def _assert_every_rank_matches(results: list, i: int, case: dict, steps: list[int], expected: list, world: int) -> None:
+    """Every rank merged at ``steps`` and its S after each merge (and its final model) is ``expected``."""
+    # gloo sums bfloat16 payloads pairwise in bfloat16; the reference rounds the exact sum once
+    atol = 1e-6 if case.get("compression") != "bf16" or world == 2 else 1e-3
+    for rank, result in enumerate(results):
+        got = result[i]
+        assert got["merge_steps"] == steps, (case, rank)
+        assert len(got["history"]) == len(expected)
+        for r, (a, b) in enumerate(zip(got["history"], expected, strict=True)):
+            torch.testing.assert_close(a, b, atol=atol, rtol=0, msg=f"{case} rank {rank} merge {r}")
 
 
 CASES = [{"window": h, "merge": "paper"} for h in (1, 2, 3)] + [
@@ -85,19 +106,10 @@ HP_ARGS = ("merge", "outer_lr", "outer_momentum", "compression")
 def test_global_model_after_every_merge_matches_the_recurrence(world):
     results = run_workers(_grid, CASES, devices=world, timeout=120)
     for i, case in enumerate(CASES):
-        window = case["window"]
+        steps = fixed_merge_steps(case["window"], STEPS)
         extra = {k: v for k, v in case.items() if k not in ("window", "compression")}
-        bf16 = case.get("compression") == "bf16"
-        bits = {"int8": 8, "int4": 4}.get(case.get("compression", ""))
-        expected = _reference(world, fixed_merge_steps(window, STEPS), bf16=bf16, quantized=bits, **extra)
-        # gloo sums bfloat16 payloads pairwise in bfloat16; the reference rounds the exact sum once
-        atol = 1e-6 if not bf16 or world == 2 else 1e-3
-        for rank, result in enumerate(results):
-            got = result[i]
-            assert got["merge_steps"] == fixed_merge_steps(window, STEPS), (case, rank)
-            assert len(got["history"]) == len(expected)
-            for r, (a, b) in enumerate(zip(got["history"], expected, strict=True)):
-                torch.testing.assert_close(a, b, atol=atol, rtol=0, msg=f"{case} rank {rank} merge {r}")
+        expected = _reference(world, steps, **_codec_args(case), **extra)
+        _assert_every_rank_matches(results, i, case, steps, expected, world)
         # every rank ends with the same global model and, with sync_buffers, the same buffers
         assert all(torch.equal(results[0][i]["history"][-1], r[i]["history"][-1]) for r in results)
         if case.get("batch_norm"):
@@ -213,27 +225,11 @@ def test_a_shorter_delay_merges_each_window_delay_steps_after_its_launch_as_the_
     results = run_workers(_grid, DELAYED, devices=world, timeout=120)
     for i, case in enumerate(DELAYED):
         window, delay = case["window"], case["delay"]
-        kw = {k: v for k, v in case.items() if k in ("outer_lr", "outer_momentum", "reset_optimizer_state")}
-        bits = {"int4": 4}.get(case.get("compression", ""))
-        bf16 = case.get("compression") == "bf16"
-        ref = Reference(
-            partial(_net, case.get("batch_norm", False)),
-            partial(_sgd, momentum=case["momentum"]),
-            _loss,
-            world,
-            merge="eager",
-            bf16=bf16,
-            quantized=bits,
-            **kw,
+        extra = {k: v for k, v in case.items() if k not in ("window", "delay", "compression")}
+        expected = _make_reference(world, merge="eager", **_codec_args(case), **extra).run_delayed(
+            _batch, STEPS, window, delay
         )
-        expected = ref.run_delayed(_batch, STEPS, window, delay)
-        atol = 1e-6 if not bf16 or world == 2 else 1e-3
-        for rank, result in enumerate(results):
-            got = result[i]
-            assert got["merge_steps"] == _delayed_steps(window, delay), (case, rank)
-            assert len(got["history"]) == len(expected)
-            for r, (a, b) in enumerate(zip(got["history"], expected, strict=True)):
-                torch.testing.assert_close(a, b, atol=atol, rtol=0, msg=f"{case} rank {rank} merge {r}")
+        _assert_every_rank_matches(results, i, case, _delayed_steps(window, delay), expected, world)
         if delay == window:  # the same model as the default schedule's reference
             same = _reference(world, fixed_merge_steps(window, STEPS), momentum=case["momentum"], merge="eager")
             torch.testing.assert_close(expected[-1], same[-1], atol=1e-6, rtol=0)

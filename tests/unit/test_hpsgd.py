@@ -64,9 +64,8 @@ def _reference_args(variant: dict) -> dict:
     return {**out, "bf16": variant.get("compression") == "bf16"}
 
 
-@pytest.mark.parametrize("window", [1, 3])
-@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "-".join(f"{k}={x}" for k, x in v.items()))
-def test_single_worker_follows_the_recurrence(window, variant):
+def _history(window: int, **variant: object) -> list[torch.Tensor]:
+    """One worker's S after every merge, then its parameters after finalize."""
     net = _net()
     opt = _opt(net)
     algo = _algo(net, opt, window, **variant)
@@ -76,12 +75,21 @@ def test_single_worker_follows_the_recurrence(window, variant):
         if algo.step() is not None:
             history.append(torch.cat([t.reshape(-1) for t in algo.global_tensors()]).clone())
     algo.finalize()
-    history.append(params_of(net))
-    reference = Reference(_net, _opt, _loss, 1, **_reference_args(variant))
-    expected = reference.run(_batch, STEPS, fixed_merge_steps(window, STEPS))
+    return [*history, params_of(net)]
+
+
+def _assert_same_history(history: list[torch.Tensor], expected: list[torch.Tensor]) -> None:
     assert len(history) == len(expected)
     for a, b in zip(history, expected, strict=True):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("window", [1, 3])
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "-".join(f"{k}={x}" for k, x in v.items()))
+def test_single_worker_follows_the_recurrence(window, variant):
+    reference = Reference(_net, _opt, _loss, 1, **_reference_args(variant))
+    expected = reference.run(_batch, STEPS, fixed_merge_steps(window, STEPS))
+    _assert_same_history(_history(window, **variant), expected)
 
 
 def _run(stop: int | None = None, state: dict | None = None, inside_consensus: bool = False, **variant) -> tuple:
@@ -284,20 +292,8 @@ def test_registered_names_build_the_strategy(name, method):
 
 @pytest.mark.parametrize("delay", [1, 2, 3])
 def test_a_shorter_delay_follows_the_delayed_recurrence_on_one_worker(delay):
-    net = _net()
-    opt = _opt(net)
-    algo = _algo(net, opt, window=4, merge="eager", delay=delay)
-    history = []
-    for step in range(STEPS):
-        _train_step(net, opt, step)
-        if algo.step() is not None:
-            history.append(torch.cat([t.reshape(-1) for t in algo.global_tensors()]).clone())
-    algo.finalize()
-    history.append(params_of(net))
     expected = Reference(_net, _opt, _loss, 1, merge="eager").run_delayed(_batch, STEPS, 4, delay)
-    assert len(history) == len(expected)
-    for a, b in zip(history, expected, strict=True):
-        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+    _assert_same_history(_history(4, merge="eager", delay=delay), expected)
 
 
 @pytest.mark.parametrize("stop", range(1, STEPS))  # in flight, merged and waiting for the next launch
