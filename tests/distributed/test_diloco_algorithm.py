@@ -14,23 +14,11 @@ from lightning_hier.algorithms import float_buffers
 from lightning_hier.algorithms.diloco import DiLoCo, fragment_offsets, split_fragments
 from lightning_hier.testing import run_workers
 from tests.diloco_reference import Reference
+from tests.toy_problem import cross_entropy as _loss
+from tests.toy_problem import tiny_net as _net
+from tests.toy_problem import worker_batch as _batch
 
-STEPS, BATCH, LR = 13, 6, 0.1
-
-
-def _net(batch_norm: bool = False) -> nn.Module:
-    torch.manual_seed(0)
-    mid = [nn.BatchNorm1d(8)] if batch_norm else []
-    return nn.Sequential(nn.Linear(5, 8), *mid, nn.Tanh(), nn.Linear(8, 3))
-
-
-def _batch(worker: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 * worker + step)
-    return torch.randn(BATCH, 5, generator=g), torch.randint(0, 3, (BATCH,), generator=g)
-
-
-def _loss(module: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    return nn.functional.cross_entropy(module(batch[0]), batch[1])
+STEPS, LR = 13, 0.1
 
 
 def _sgd(module: nn.Module) -> torch.optim.Optimizer:
