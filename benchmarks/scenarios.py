@@ -316,6 +316,7 @@ SCENARIOS: tuple[Scenario, ...] = (
     ),
     Scenario("hpsgd_mlp", "hpsgd", {"window": 4, "compression": "bf16"}, label="hpsgd-bf16"),
     Scenario("hpsgd_mlp", "hpsgd", {"window": 4, "merge": "paper"}, label="hpsgd-paper"),
+    Scenario("hpsgd_mlp", "hpsgd", {"window": 4, "delay": 1}, label="hpsgd-d1"),
     Scenario(
         "hpsgd_mlp",
         "localsgd",
