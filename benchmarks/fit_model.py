@@ -14,6 +14,7 @@ import math
 from dataclasses import replace
 from typing import Any
 
+from lightning_hier.algorithms.diloco import fragment_offsets
 from lightning_hier.simulator import Cluster, Prediction, Workload, predict
 
 
@@ -160,18 +161,28 @@ def with_whole_rounds(p: Prediction, compute_s: float, run: dict[str, Any]) -> P
 
 
 def with_whole_windows(p: Prediction, run: dict[str, Any]) -> Prediction:
-    """HPSGD's reductions over the fit: the first step's, one per closed window, and the drain's.
+    """HPSGD's and DiLoCo's reductions over the fit, where the steady state counts ``S / H``.
 
     HPSGD launches at step 1, then every ``window`` steps, and at the end of the fit sends the
     steps since the last launch (:meth:`~lightning_hier.algorithms.hpsgd.HPSGD.finalize`): a fit of
-    ``S`` steps makes ``1 + ceil((S - 1) / H)`` reductions where the steady state counts ``S / H``.
-    Only the bytes change: the first reduction is hidden and the drain follows the training.
+    ``S`` steps makes ``1 + ceil((S - 1) / H)`` reductions. DiLoCo's fragment ``f`` reduces at the
+    steps ``t`` with ``t mod H`` its offset (:func:`~lightning_hier.algorithms.diloco.fragment_offsets`)
+    and once more at the end if steps followed its last one, each ``1 / F`` of the model. Only the
+    bytes change: HPSGD's first reduction is hidden and the end of fit's follows the training.
     """
     steps = int(run.get("steps") or 0)
     window = p.args.get("window")
-    if p.strategy != "hpsgd" or window is None or steps <= 0:
+    if p.strategy not in ("hpsgd", "diloco") or window is None or steps <= 0:
         return p
-    share = (1 + math.ceil((steps - 1) / int(window))) * int(window) / steps
+    h = int(window)
+    reductions: float
+    if p.strategy == "hpsgd":
+        reductions = 1 + math.ceil((steps - 1) / h)
+    else:
+        offsets = fragment_offsets(h, int(p.args.get("fragments", 1)))
+        synced = [[t for t in range(1, steps + 1) if t % h == o] for o in offsets]
+        reductions = sum(len(s) + (not s or s[-1] < steps) for s in synced) / len(offsets)
+    share = reductions * h / steps
     return replace(
         p,
         wire_bytes=share * p.wire_bytes,

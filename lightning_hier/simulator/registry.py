@@ -12,6 +12,7 @@ from lightning_hier.simulator.strategies import (
     dbs,
     ddp,
     decoupled,
+    diloco,
     easgd,
     grid2d,
     hpsgd,
@@ -25,6 +26,7 @@ from lightning_hier.simulator.strategies import (
 MODELS: dict[str, Callable[..., Prediction]] = {
     "ddp": ddp,
     "hpsgd": hpsgd,
+    "diloco": diloco,
     "localsgd": localsgd,
     "easgd": easgd,
     "lsgd": lsgd,

@@ -13,6 +13,8 @@ ddp           all-reduce of ``P`` in DDP's buckets (first 1 MiB, then ``bucket_m
               in reverse order when the workload lists them) behind the
               backward; the last bucket (the first layers' gradients) is ready only at its end;
               ``F`` broadcast before every forward (``broadcast_buffers``)
+diloco        every ``window`` steps an all-reduce of each of ``F`` fragments (``P / F``, compressed as
+              hpsgd's), blocking, or hidden behind ``fragment_sync_delay`` steps
 hpsgd         every ``window`` steps one all-reduce of ``P`` (bf16: ``P / 2``; int8 / int4: 1 or 1/2
               byte per parameter + a 4-byte scale per 64) + ``F``, hidden
               behind the next window: ``max(H t + cpu cost, all-reduce) / H``; staleness ``H``
@@ -48,6 +50,7 @@ wait for the slowest worker (:mod:`lightning_hier.simulator.jitter`). The asynch
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from lightning_hier.algorithms.decoupled.schedule import Schedule
@@ -171,6 +174,19 @@ def ddp(workload: Workload, cluster: Cluster, bucket_mb: float = 25.0) -> Predic
 _WIRE_WORD = {"bf16": 2.0, "int8": 1.0 + 4 / 64, "int4": 0.5 + 4 / 64}
 
 
+def _change_reduction(workload: Workload, cluster: Cluster, params: float, compression: str, extra: float) -> Comm:
+    """The all-reduce of a change of ``params`` words (compressed as asked) and ``extra`` bytes beside it.
+
+    The quantized all-reduce (:mod:`lightning_hier.comm.quantized`) moves a ring all-reduce's bytes;
+    CommStats counts its all-to-all's input and its all-gather's (a ``1 / W`` shard) as payload.
+    """
+    change = params * _WIRE_WORD.get(compression, workload.word_bytes)
+    comm = all_reduce(change + extra, cluster.workers, cluster)
+    if compression in ("int8", "int4"):
+        comm = replace(comm, payload_bytes=comm.payload_bytes + change / cluster.workers)
+    return comm
+
+
 def hpsgd(
     workload: Workload,
     cluster: Cluster,
@@ -186,8 +202,7 @@ def hpsgd(
     the CPU time of quantizing is not modelled. With ``delay`` the reduction hides behind
     ``delay`` steps instead of the window's ``window``.
     """
-    change = workload.params * _WIRE_WORD.get(compression, workload.word_bytes)
-    comm = all_reduce(change + _buffer_bytes(workload, sync_buffers), cluster.workers, cluster)
+    comm = _change_reduction(workload, cluster, workload.params, compression, _buffer_bytes(workload, sync_buffers))
     work = compute_s(workload, cluster)
     hidden = window if delay is None else delay
     period, _ = overlapped(hidden * max(work), comm, cluster)
@@ -195,6 +210,58 @@ def hpsgd(
     fastest = window * min(work) + cluster.cpu_s_per_byte * comm.wire_bytes
     args = {"window": window, "compression": compression, "sync_buffers": sync_buffers, "delay": delay}
     return _periodic("hpsgd", workload, cluster, args, window, period, fastest, comm, float(hidden))
+
+
+def diloco(
+    workload: Workload,
+    cluster: Cluster,
+    window: int = 64,
+    fragments: int = 1,
+    fragment_sync_delay: int = 0,
+    compression: str = "none",
+    sync_buffers: bool = True,
+) -> Prediction:
+    """DiLoCo: every ``window`` steps an all-reduce of each of ``F`` fragments (about ``P / F``).
+
+    ``fragment_sync_delay = 0``: each fragment's reduction blocks. Otherwise it hides behind that
+    many steps' compute, and only what exceeds them (``max(0, all-reduce - D t - cpu cost)``) is
+    waited for. The buffers go with the first fragment. Quantizing is not modelled (as for HPSGD).
+    """
+    count = max(1, min(int(fragments), workload.tensors or int(fragments)))
+    work = compute_s(workload, cluster)
+    step = max(work)
+    buffers = _buffer_bytes(workload, sync_buffers)
+    comms = [
+        _change_reduction(workload, cluster, workload.params / count, compression, buffers if f == 0 else 0)
+        for f in range(count)
+    ]
+    cpu = [cluster.cpu_s_per_byte * c.wire_bytes for c in comms]
+    if fragment_sync_delay == 0:
+        waited = sum(c.time_s for c in comms)
+    else:
+        waited = sum(max(0.0, c.time_s - fragment_sync_delay * step - u) for c, u in zip(comms, cpu, strict=True))
+    total = comms[0]
+    for c in comms[1:]:
+        total = total + c
+    period = window * step + sum(cpu) + waited + sync_wait(cluster, window)
+    args = {
+        "window": window,
+        "fragments": count,
+        "fragment_sync_delay": fragment_sync_delay,
+        "compression": compression,
+        "sync_buffers": sync_buffers,
+    }
+    return _periodic(
+        "diloco",
+        workload,
+        cluster,
+        args,
+        window,
+        period,
+        window * min(work) + sum(cpu),
+        total,
+        float(fragment_sync_delay),
+    )
 
 
 def _round(workload: Workload, cluster: Cluster, sync_buffers: bool, center: Comm) -> Comm:

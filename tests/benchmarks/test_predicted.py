@@ -11,9 +11,11 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.fit_model import with_whole_windows
 from benchmarks.predicted import forward_share, predict_run, predicted_bytes, predicted_table
 from lightning_hier.models.networks import mlp, small_cnn
-from lightning_hier.simulator import Workload
+from lightning_hier.planner import Link
+from lightning_hier.simulator import Cluster, Workload, predict
 from lightning_hier.simulator.__main__ import PRESETS
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "results.json"
@@ -306,3 +308,15 @@ def test_ddps_exposed_forward_is_the_presets_measured_share_of_the_compute():
     compute = 0.3  # the no-comm run's step: 24 steps in 7.2 s
     assert p.step_s - p.detail["allreduce_s"] == pytest.approx(share * compute, rel=1e-6)
     assert forward_share(None) == pytest.approx(1 / 3)  # a network without a preset: a backward of two forwards
+
+
+def test_dilocos_fit_counts_each_fragments_syncs_and_its_last_partial_one():
+    """96 steps, window 16, 4 fragments at offsets 4, 8, 12, 0: 6 syncs each, and one more at the
+    end for the three whose last sync (84, 88, 92) was before step 96: 27 quarters of the model,
+    where the steady state counts 96 / 16 = 6 models. Window 8, one fragment: 12 syncs, no more."""
+    workload = Workload("w", 1000, 8, 8 * 48, forward_s=1e-3, backward_s=2e-3, tensors=8)
+    cluster = Cluster(2, Link(alpha=1e-5, beta=4e-9))
+    streaming = with_whole_windows(predict("diloco", workload, cluster, window=16, fragments=4), {"steps": 96})
+    assert streaming.detail["reductions_share"] == pytest.approx(27 / 4 / 6)
+    plain = with_whole_windows(predict("diloco", workload, cluster, window=8), {"steps": 96})
+    assert plain.detail["reductions_share"] == pytest.approx(1.0)

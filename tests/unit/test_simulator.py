@@ -2,6 +2,7 @@
 perfect overlap, one straggler, and the collective formulas of its docstring."""
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -30,6 +31,9 @@ def _workload(forward_s: float = 1e-3, backward_s: float = 2e-3, step_s: float =
 SYNC = [
     ("ddp", {}),
     ("hpsgd", {"window": 4}),
+    ("hpsgd", {"window": 4, "delay": 1}),
+    ("diloco", {"window": 8}),
+    ("diloco", {"window": 8, "fragments": 4, "fragment_sync_delay": 2}),
     ("localsgd", {"tau": 8}),
     ("easgd", {"tau": 4}),
     ("lsgd", {"tau": 4}),
@@ -95,6 +99,36 @@ def test_perfect_overlap_hides_the_window_reduction():
     assert exposed.blocked_s == pytest.approx(reduction / 2 - 32 * 2e-6)
     # bf16 halves the payload
     assert predict("hpsgd", _workload(), c, window=2, compression="bf16").payload_bytes == pytest.approx(2e6 / 2)
+
+
+def test_a_shorter_hpsgd_delay_hides_the_reduction_behind_fewer_steps():
+    c = Cluster(2, LINK)
+    reduction = all_reduce(4e6, 2, c).time_s  # ~4 ms; a step's compute here is 3.2 ms
+    w = _workload(5e-5, 5e-5, 0.0)
+    assert predict("hpsgd", w, c, window=4).step_s == pytest.approx(32 * 1e-4)  # 12.8 ms of compute hides it
+    delayed = predict("hpsgd", w, c, window=4, delay=1)
+    assert delayed.step_s == pytest.approx((3 * 32e-4 + reduction) / 4)
+    assert delayed.staleness == 1
+    assert delayed.payload_bytes == predict("hpsgd", w, c, window=4).payload_bytes
+
+
+def test_diloco_blocks_on_each_fragment_or_hides_it_behind_the_delay():
+    c = Cluster(2, LINK)
+    w = _workload(1e-6, 1e-6, 0.0)  # compute far below the reductions
+    whole = all_reduce(4e6, 2, c).time_s
+    blocking = predict("diloco", w, c, window=8)
+    assert blocking.step_s == pytest.approx((8 * 32 * 2e-6 + whole) / 8)
+    assert blocking.wire_bytes == pytest.approx(4e6 / 8)  # a ring of 2: each sends the payload once
+    quarter = all_reduce(1e6, 2, c).time_s
+    w = replace(w, tensors=8)  # fragments are cut between tensors: one tensor makes one fragment
+    assert predict("diloco", w, c, window=8, fragments=4).step_s == pytest.approx((8 * 32 * 2e-6 + 4 * quarter) / 8)
+    streaming = predict("diloco", w, c, window=8, fragments=4, fragment_sync_delay=2)
+    step = 32 * 2e-6
+    assert streaming.step_s == pytest.approx((8 * step + 4 * (quarter - 2 * step)) / 8)
+    # int4: half a byte per parameter and a float32 scale per 64; CommStats adds the all-gather's shard
+    int4 = predict("diloco", w, c, window=8, compression="int4")
+    assert int4.wire_bytes == pytest.approx(P * (0.5 + 4 / 64) / 8)
+    assert int4.payload_bytes == pytest.approx(P * (0.5 + 4 / 64) * 1.5 / 8)
 
 
 def test_one_straggler_paces_synchronous_steps_and_dbs_rebalances_it():
