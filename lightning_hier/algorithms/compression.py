@@ -81,3 +81,12 @@ class QuantizedChange:
     def launch(self, change: Sequence[Tensor], group: Group, stats: CommStats) -> QuantizedWork:
         """Quantize ``change + e``, keep the new residual, launch the SUM into :attr:`total`."""
         return self.feedback.launch(change, self.total, group, stats)
+
+
+def make_codec(compression: str, like: list[Tensor], world: int) -> Bf16ErrorFeedback | QuantizedChange | None:
+    """The codec of ``compression`` for changes shaped as ``like`` over ``world`` ranks (``'none'``: ``None``)."""
+    if compression == "bf16":
+        return Bf16ErrorFeedback(like)
+    if compression in QUANTIZED:
+        return QuantizedChange(like, compression, world)
+    return None

@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 
 from lightning_hier import _validate as v
-from lightning_hier.algorithms.compression import COMPRESSIONS, Bf16ErrorFeedback, QuantizedChange
+from lightning_hier.algorithms.compression import COMPRESSIONS, Bf16ErrorFeedback, QuantizedChange, make_codec
 from lightning_hier.algorithms.outer import OuterNesterov
 from lightning_hier.comm import CommStats, FlatTensors, all_reduce_mean_, all_reduce_sum_async, group_size, wait_all
 from lightning_hier.comm.collectives import Group
@@ -85,13 +85,7 @@ class Fragment:
         self.offset = offset
         self.global_model: list[Tensor] = self.flat.clone()  # S
         self.outer = outer
-        self.codec: Bf16ErrorFeedback | QuantizedChange | None = (
-            Bf16ErrorFeedback(self.global_model)
-            if compression == "bf16"
-            else QuantizedChange(self.global_model, compression, world)
-            if compression in ("int8", "int4")
-            else None
-        )
+        self.codec = make_codec(compression, self.global_model, world)
         self.change: list[Tensor] = self.flat.zeros_like()  # the sum in flight lands here (or in the codec's)
         self.works: list[Any] = []
         self.apply_at: int | None = None  # the step at which the reduction in flight is applied
@@ -136,22 +130,16 @@ class Fragment:
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        _load(self.flat, self.global_model, state["global_model"])
+        self.flat.load(self.global_model, state["global_model"], "DiLoCo", "global_model")
         self.synced_at = int(state["synced_at"])
         self.apply_at = int(state["apply_at"]) if "apply_at" in state else None
         if self.apply_at is not None:
-            _load(self.flat, self.change, state["change"])
+            self.flat.load(self.change, state["change"], "DiLoCo", "change")
         self.outer.buffer = self.flat.zeros_like() if "outer_momentum" in state else []
         if self.outer.buffer:
-            _load(self.flat, self.outer.buffer, state["outer_momentum"])
+            self.flat.load(self.outer.buffer, state["outer_momentum"], "DiLoCo", "outer_momentum")
         if self.codec is not None and "residual" in state:
-            _load(self.flat, self.codec.residual, state["residual"])
-
-
-def _load(flat: FlatTensors, dst: list[Tensor], src: Sequence[Tensor]) -> None:
-    """Per-tensor values (as :meth:`FlatTensors.split` gives them) copied into buckets ``dst``."""
-    views = flat.split(dst)
-    torch._foreach_copy_(views, [t.to(view.device) for t, view in zip(src, views, strict=True)])
+            self.flat.load(self.codec.residual, state["residual"], "DiLoCo", "residual")
 
 
 class DiLoCo:

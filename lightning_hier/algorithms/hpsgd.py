@@ -67,7 +67,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_hier import _validate as v
-from lightning_hier.algorithms.compression import COMPRESSIONS, Bf16ErrorFeedback, QuantizedChange
+from lightning_hier.algorithms.compression import COMPRESSIONS, Bf16ErrorFeedback, QuantizedChange, make_codec
 from lightning_hier.algorithms.hpsgd_state import HPSGDCheckpoint
 from lightning_hier.algorithms.outer import OuterNesterov
 from lightning_hier.comm import CommStats, FlatTensors, all_reduce_sum_async, group_size, wait_all
@@ -177,7 +177,7 @@ class HPSGD(HPSGDCheckpoint):
         self.global_model: list[Tensor] = self.flat.clone()  # S
         self._delta: list[Tensor] = self.flat.zeros_like()  # d; also V in the paper rule's first window
         self._own_start: list[Tensor] | None = self.flat.clone() if merge == "eager" else None  # V
-        self.codec = _codec(compression, self.global_model, self.world)
+        self.codec = make_codec(compression, self.global_model, self.world)
         self.in_flight: list[Tensor] = (  # fly: where the summed change lands
             self.codec.payload
             if isinstance(self.codec, Bf16ErrorFeedback)
@@ -445,14 +445,6 @@ class HPSGD(HPSGDCheckpoint):
                 if bufs:
                     torch._foreach_copy_(self._buffers(), bufs)
             self._replica = None
-
-
-def _codec(compression: str, like: list[Tensor], world: int) -> Bf16ErrorFeedback | QuantizedChange | None:
-    if compression == "bf16":
-        return Bf16ErrorFeedback(like)
-    if compression in ("int8", "int4"):
-        return QuantizedChange(like, compression, world)
-    return None
 
 
 def _norm(tensors: Sequence[Tensor]) -> float:

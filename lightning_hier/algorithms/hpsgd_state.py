@@ -7,7 +7,6 @@ stored per parameter (not per bucket), so a checkpoint does not depend on the bu
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
@@ -115,21 +114,21 @@ class HPSGDCheckpoint:
         self.since_launch = int(state["since_launch"])
         self.launched, self.first_window = bool(state["launched"]), bool(state["first_window"])
         self.pending = bool(state.get("pending", self.launched))  # without `delay`, launched means pending
-        load_flat(self.flat, self.global_model, state["global_model"], "global_model")
+        self.flat.load(self.global_model, state["global_model"], "HPSGD", "global_model")
         if self.launched:
-            load_flat(self.flat, self.in_flight, state["in_flight"], "in_flight")
+            self.flat.load(self.in_flight, state["in_flight"], "HPSGD", "in_flight")
         if self._start() is not self.global_model:
-            load_flat(self.flat, self._start(), state.get("window_start", self.global_tensors()), "window_start")
+            self.flat.load(self._start(), state.get("window_start", self.global_tensors()), "HPSGD", "window_start")
         self.outer.buffer = self.flat.zeros_like() if "outer_momentum" in state else []
         if self.outer.buffer:
-            load_flat(self.flat, self.outer.buffer, state["outer_momentum"], "outer_momentum")
+            self.flat.load(self.outer.buffer, state["outer_momentum"], "HPSGD", "outer_momentum")
         if self.codec is not None:  # a checkpoint without compression: nothing left out yet
             torch._foreach_zero_(self.codec.residual)
-            load_flat(
-                self.flat, self.codec.residual, state.get("residual", self.flat.split(self.codec.residual)), "residual"
+            self.flat.load(
+                self.codec.residual, state.get("residual", self.flat.split(self.codec.residual)), "HPSGD", "residual"
             )
         if "replica" in state:
-            load_flat(self.flat, self.replica, state["replica"], "replica")
+            self.flat.load(self.replica, state["replica"], "HPSGD", "replica")
         self._load_buffers(state)
 
     def _load_buffers(self: _Parts, state: dict[str, Any]) -> None:
@@ -139,15 +138,7 @@ class HPSGDCheckpoint:
             return
         if "global_buffers" not in state:
             raise ValueError("HPSGD: this run averages buffers (sync_buffers) but the checkpoint did not.")
-        load_flat(self.flat_buffers, self.global_buffers, state["global_buffers"], "global_buffers")
-        load_flat(self.flat_buffers, self._buffers_in_flight, state["buffers_in_flight"], "buffers_in_flight")
+        self.flat_buffers.load(self.global_buffers, state["global_buffers"], "HPSGD", "global_buffers")
+        self.flat_buffers.load(self._buffers_in_flight, state["buffers_in_flight"], "HPSGD", "buffers_in_flight")
         if "replica_buffers" in state:
-            load_flat(self.flat_buffers, self._buffers(), state["replica_buffers"], "replica_buffers")
-
-
-def load_flat(flat: FlatTensors, dst: list[Tensor], src: Sequence[Tensor], name: str) -> None:
-    """Copy per-parameter tensors ``src`` into the flat buckets ``dst``, checking they fit this model."""
-    views = flat.split(dst)
-    if len(src) != len(views) or any(a.shape != b.shape for a, b in zip(src, views, strict=True)):
-        raise ValueError(f"HPSGD: checkpoint entry `{name}` does not match this model's parameters.")
-    torch._foreach_copy_(views, [t.to(v.device, v.dtype) for t, v in zip(src, views, strict=True)])
+            self.flat_buffers.load(self._buffers(), state["replica_buffers"], "HPSGD", "replica_buffers")

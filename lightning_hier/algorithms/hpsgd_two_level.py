@@ -45,7 +45,6 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_hier.algorithms.hpsgd import HPSGD, Merge
-from lightning_hier.algorithms.hpsgd_state import load_flat
 from lightning_hier.algorithms.two_level import (
     LevelBytes,
     TwoLevel,
@@ -204,6 +203,6 @@ class TwoLevelHPSGD:
         self._wait()
         self.node.load_state_dict({k: v for k, v in state.items() if k != "two_level"})
         for name in ("base", "sent", "in_flight"):
-            load_flat(self.node.flat, getattr(self, name), mine[name], name)
+            self.node.flat.load(getattr(self, name), mine[name], "HPSGD", name)
         self.pending, self.inter_merges = bool(mine["pending"]), int(mine["inter_merges"])
         self.level_bytes.load_state_dict(mine["level_bytes"])

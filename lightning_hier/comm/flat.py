@@ -126,6 +126,18 @@ class FlatTensors:
         self._check_layout(flat)
         return [flat[s.bucket][s.offset : s.offset + s.numel].view(s.shape) for s in self.segments]
 
+    def load(self, flat: Sequence[Tensor], values: Sequence[Tensor], owner: str, name: str) -> None:
+        """Copy per-tensor ``values`` (as :meth:`split` gives them: a checkpoint's) into ``flat``.
+
+        Raises:
+            ValueError: ``values`` are not this layout's tensors (a checkpoint of another model);
+                the message names ``owner`` and the entry ``name``.
+        """
+        views = self.split(flat)
+        if len(values) != len(views) or any(a.shape != b.shape for a, b in zip(values, views, strict=True)):
+            raise ValueError(f"{owner}: checkpoint entry `{name}` does not match this model's parameters.")
+        torch._foreach_copy_(views, [t.to(v.device, v.dtype) for t, v in zip(values, views, strict=True)])
+
     def segment_numels(self, bucket: int) -> list[int]:
         """Numbers of elements of the tensors in ``bucket``, in bucket order."""
         return [s.numel for s in sorted(self.segments, key=lambda s: s.offset) if s.bucket == bucket]
