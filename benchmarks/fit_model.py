@@ -180,7 +180,7 @@ def with_whole_windows(p: Prediction, run: dict[str, Any]) -> Prediction:
         reductions = 1 + math.ceil((steps - 1) / h)
     else:
         offsets = fragment_offsets(h, int(p.args.get("fragments", 1)))
-        synced = [[t for t in range(1, steps + 1) if t % h == o] for o in offsets]
+        synced = [range(o or h, steps + 1, h) for o in offsets]  # offset 0 first syncs at step H
         reductions = sum(len(s) + (not s or s[-1] < steps) for s in synced) / len(offsets)
     share = reductions * h / steps
     return replace(

@@ -268,7 +268,7 @@ class HPSGD(HPSGDCheckpoint):
     @torch.no_grad()
     def _launch(self) -> None:
         """``window`` steps after the previous launch (its change already merged): send ``x - V``; ``V <- x``."""
-        torch._foreach_copy_(self._delta, torch._foreach_sub(self.replica, self._start()))
+        self._take_change()
         self._stage_buffers()
         self._send()
         torch._foreach_copy_(self._start(), self.replica)
@@ -310,15 +310,22 @@ class HPSGD(HPSGDCheckpoint):
         ``||x - S||`` (``S`` before the update).
         """
         self._wait()
-        x, start = self.replica, self._start()
-        for xb, vb, d in zip(x, start, self._delta, strict=True):
-            torch.sub(xb, vb, out=d)  # d = x - V
+        start = self._take_change()
         # in the paper rule's steady state V == S, so x - S is d itself: no extra pass
-        distance = _norm(self._delta if start is self.global_model else torch._foreach_sub(x, self.global_model))
+        distance = _norm(
+            self._delta if start is self.global_model else torch._foreach_sub(self.replica, self.global_model)
+        )
         self._apply_in_flight()
         self._stage_buffers()
         self.first_window = False
         return distance
+
+    def _take_change(self) -> list[Tensor]:
+        """``d <- x - V`` (no temporary); returns ``V``."""
+        start = self._start()
+        for xb, vb, d in zip(self.replica, start, self._delta, strict=True):
+            torch.sub(xb, vb, out=d)
+        return start
 
     def _apply_in_flight(self) -> None:
         """``S <- outer(S, F / W)``; the global buffers become the in-flight buffers' mean.

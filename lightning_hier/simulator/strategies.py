@@ -240,9 +240,7 @@ def diloco(
         waited = sum(c.time_s for c in comms)
     else:
         waited = sum(max(0.0, c.time_s - fragment_sync_delay * step - u) for c, u in zip(comms, cpu, strict=True))
-    total = comms[0]
-    for c in comms[1:]:
-        total = total + c
+    total = sum(comms[1:], comms[0])
     period = window * step + sum(cpu) + waited + sync_wait(cluster, window)
     args = {
         "window": window,
