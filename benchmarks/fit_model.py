@@ -5,7 +5,8 @@ short fit around it. This module adds what the fit has beside the steady steps, 
 run's configuration and counts (never from its timings): each validation's consensus on the
 training clock, DBS's warm-up at the initial batch sizes, the pipeline's drain, the averaging
 rounds a fit actually completes (a round every ``tau`` steps, counted over the fit), the
-asynchronous GRAWA workers' final partial reports and the grid's validation forwards.
+asynchronous GRAWA workers' final partial reports, the grid's validation forwards and torch's
+DDP hooks' plain warm-up steps.
 """
 
 from __future__ import annotations
@@ -188,6 +189,38 @@ def with_whole_windows(p: Prediction, run: dict[str, Any]) -> Prediction:
         wire_bytes=share * p.wire_bytes,
         payload_bytes=share * p.payload_bytes,
         detail={**p.detail, "reductions_share": share},
+    )
+
+
+def with_hook_warmup(p: Prediction, run: dict[str, Any]) -> Prediction:
+    """torch's DDP hooks over the fit: their plain warm-up steps, and PostLocalSGD's rounds counted.
+
+    The first ``warmup_steps`` steps all-reduce the gradients as DDP does (PowerSGD's minimum is 2:
+    on a 100 Mbit/s link those two steps are a third of a 96-step run's communication time). Then
+    PostLocalSGD averages right after the first local step and every ``model_averaging_period``
+    steps, and the strategy averages once more after the last step: a fit of ``S`` local steps makes
+    ``ceil(S / period) + 1`` rounds where the steady state counts ``S / period``.
+    """
+    steps = int(run.get("steps") or 0)
+    if "warmup_step_s" not in p.detail or steps <= 0:
+        return p
+    warm = min(int((run.get("strategy_config") or {}).get("warmup_steps") or 0), steps)
+    local = steps - warm
+    seconds = warm * p.detail["warmup_step_s"] + local * p.step_s
+    wire = warm * p.detail["warmup_wire_bytes"] + local * p.wire_bytes
+    payload = warm * p.detail["warmup_payload_bytes"] + local * p.payload_bytes
+    period = p.args.get("model_averaging_period")
+    if period:
+        extra = math.ceil(local / int(period)) + 1 - local / int(period)  # rounds beyond the steady share
+        seconds += extra * p.detail["round_s"]
+        wire += extra * p.detail["round_wire_bytes"]
+        payload += extra * p.detail["round_payload_bytes"]
+    return replace(
+        p,
+        step_s=seconds / steps,
+        wire_bytes=wire / steps,
+        payload_bytes=payload / steps,
+        detail={**p.detail, "warmup_steps": warm},
     )
 
 

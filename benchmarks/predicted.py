@@ -22,6 +22,8 @@ Calibration, all from the same invocation (nothing is fitted to the run being pr
   the rank's one core, fitted once on ``hpsgd_mlp`` (HPSGD, window 4, 1 Gbit/s) and kept for every
   run; :data:`COLLECTIVE_S_PER_BYTE`: a blocking collective's own CPU time per byte, measured with
   the link probe (a floor that no benchmark link reaches);
+- each codec's CPU time per byte it compresses (bf16, int8, int4, PowerSGD): the preset's of the
+  same network (:func:`~lightning_hier.simulator.calibrate.codec_seconds` on the benchmark machine);
 - each epoch's validation consensus (HPSGD, the averaging family when the epoch does not end on a
   round, the parameter servers) is on the training clock, so its time joins the fit's
   (:func:`with_consensus`);
@@ -39,10 +41,12 @@ Calibration, all from the same invocation (nothing is fitted to the run being pr
 
 The pipeline and the grid need the network's structure: per-block costs (their shares from the
 simulator's preset of the same network, found by its tensor sizes, rescaled to the calibrated
-compute) and the layer list (built from the preset's model spec). The pipeline's prediction covers
-its epoch, fill and drain included (:func:`~lightning_hier.simulator.pipeline.epoch_time`). Runs
-the model does not cover print ``-``: DDP's communication-hook peers, and pipeline or grid runs of
-a network without a preset.
+compute) and the layer list (built from the preset's model spec); PowerSGD needs the tensors'
+shapes (recorded by the run, else the preset's). The pipeline's prediction covers its epoch, fill
+and drain included (:func:`~lightning_hier.simulator.pipeline.epoch_time`). torch's DDP hooks are
+predicted with their plain warm-up steps (:func:`~benchmarks.fit_model.with_hook_warmup`); their
+runs have no ``CommStats`` payload to compare. Runs the model does not cover print ``-``: pipeline
+or grid runs of a network without a preset, PowerSGD without the tensors' shapes.
 """
 
 from __future__ import annotations
@@ -62,6 +66,7 @@ from benchmarks.fit_model import (
     validation_forward_bytes,
     with_consensus,
     with_final_reports,
+    with_hook_warmup,
     with_warmup,
     with_whole_rounds,
     with_whole_windows,
@@ -131,6 +136,11 @@ def _workload(
     tensor_words = tuple(int(n) for n in model.get("tensor_words") or ())
     # the no-comm run trains the whole network on every rank (a grid run records its own shards)
     preset = _preset(tuple(int(n) for n in (reference.get("model") or {}).get("tensor_words") or ()))
+    same_network = preset is not None and preset.tensor_words == tensor_words
+    shapes = tuple(tuple(int(n) for n in shape) for shape in model.get("tensor_shapes") or ())
+    if not shapes and preset is not None and same_network:
+        shapes = preset.tensor_shapes  # runs recorded before their tensors' shapes: the same network's
+    codecs = dict(preset.codec_s_per_byte) if preset is not None and same_network else {}
     if _model_overrides(run) != _model_overrides(reference):
         # e.g. model.layer_blocks=true: the same tensors in other blocks, which the preset does not
         # describe, so no blocks (no pipeline prediction) and no layer list (no grid prediction)
@@ -150,6 +160,8 @@ def _workload(
         buffers=int(model.get("float_buffers") or 0),
         tensors=int(model.get("tensors") or 1),
         tensor_words=tensor_words,
+        tensor_shapes=shapes,
+        codec_s_per_byte=codecs,
         blocks=blocks,
         model=preset.model if preset is not None else None,
     )
@@ -216,7 +228,7 @@ def predict_run(label: str, run: dict[str, Any], result: dict[str, Any], world: 
     if workload is None:
         return None
     structure = _structure_args(strategy, config, workload, world)
-    if structure is None:
+    if structure is None or (strategy == "ddp_powersgd" and not workload.tensor_shapes):
         return None
     args = {} if strategy == "no-comm" else {**_arguments(strategy, config), **structure}
     steady = predict(strategy, workload, cluster, **args)
@@ -224,7 +236,7 @@ def predict_run(label: str, run: dict[str, Any], result: dict[str, Any], world: 
         return steady
     fit = with_warmup(steady, workload, cluster, run) if strategy in REBALANCED else steady
     fit = with_final_reports(with_whole_rounds(fit, max(compute_s(workload, cluster)), run), run)
-    fit = with_whole_windows(fit, run)
+    fit = with_hook_warmup(with_whole_windows(fit, run), run)
     return fit if strategy == "no-comm" else with_consensus(fit, cluster, run)
 
 

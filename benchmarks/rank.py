@@ -231,6 +231,7 @@ def _measurements(trainer: pl.Trainer, recorder: Recorder, cfg: Any, callbacks: 
         "float_buffers": sum(b.numel() for b in trainer.lightning_module.buffers() if b.is_floating_point()),
         "tensors": len(words),
         "tensor_words": words,  # DDP's buckets
+        "tensor_shapes": [list(p.shape) for p in trainer.lightning_module.parameters()],  # PowerSGD's matrices
     }
 
 

@@ -68,7 +68,10 @@ def summarize(scenario: Scenario, job: JobResult) -> dict[str, Any]:
         "straggler_slept_s": max(float(r.get("straggler_slept_s", 0.0)) for r in ranks),
         "strategy_metrics": ranks[0].get("strategy_metrics", {}),
         "cores": job.cores,
-        "model": {key: ranks[0].get(key) for key in ("parameters", "float_buffers", "tensors", "tensor_words")},
+        "model": {
+            key: ranks[0].get(key)
+            for key in ("parameters", "float_buffers", "tensors", "tensor_words", "tensor_shapes")
+        },
         # the simulator's jitter (benchmarks/predicted.py): the ranks' mean spread of a step's time
         "step_jitter_s": mean(gini_sigma(r["step_s"]) for r in ranks) if all(r.get("step_s") for r in ranks) else None,
         # load on a shared machine: the share of the fit the ranks' training threads waited for their cores

@@ -6,23 +6,31 @@ and optimizer step separately, median of ``repeats`` after a warm-up) and, for a
 ``nn.Sequential``, each block's forward + backward and output size (what a pipeline stage
 computes and sends), with the pipeline strategy's own block timer
 (:func:`~lightning_hier.algorithms.decoupled.partition.measure_block_costs`). Block times are
-rescaled so that they add up to the whole model's forward + backward.
+rescaled so that they add up to the whole model's forward + backward. :func:`codec_seconds`
+times what each compressed reduction costs the worker's core per byte it compresses.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from statistics import median
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+from typing_extensions import override
 
 from lightning_hier.algorithms.averaging import float_buffers
+from lightning_hier.algorithms.compression import Bf16ErrorFeedback, make_codec
 from lightning_hier.algorithms.decoupled.partition import measure_block_costs
+from lightning_hier.comm import CommStats
 from lightning_hier.simulator.inputs import Block, Workload
+
+CODECS = ("bf16", "int8", "int4", "powersgd")
 
 
 def time_step(
@@ -46,6 +54,85 @@ def time_step(
             backward.append(end - mid)
             step.append(time.perf_counter() - end)
     return median(forward), median(backward), median(step)
+
+
+def _median_s(fn: Callable[[], object], repeats: int) -> float:
+    fn()  # the first call allocates
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return median(times)
+
+
+class _Linear(nn.Module):
+    """``params`` under a loss linear in each of them: its backward is one copy per tensor."""
+
+    def __init__(self, params: Sequence[Tensor]) -> None:
+        super().__init__()
+        self.weights = nn.ParameterList([nn.Parameter(p.detach().clone()) for p in params])
+
+    @override
+    def forward(self, scale: Tensor) -> Tensor:
+        return sum((w.sum() * scale for w in self.weights), torch.zeros(()))
+
+
+def _powersgd_s(params: Sequence[Tensor], rank: int, repeats: int) -> float:
+    """The ``powerSGD_hook`` of torch on one DDP bucket of ``params``: a backward with it less one without."""
+    size_mb = sum(p.numel() * p.element_size() for p in params) / 2**20 + 1
+    one = torch.ones(())
+
+    def backward_s(hooked: bool) -> float:
+        ddp = nn.parallel.DistributedDataParallel(_Linear(params), bucket_cap_mb=size_mb)
+        if hooked:
+            state = powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=rank, start_powerSGD_iter=2)
+            ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+            for _ in range(2):  # its plain warm-up steps
+                ddp(one).backward()
+        return _median_s(lambda: ddp(one).backward(), repeats)
+
+    return max(0.0, backward_s(True) - backward_s(False))
+
+
+def codec_seconds(
+    model: nn.Module, codecs: Sequence[str] = CODECS, repeats: int = 10, powersgd_rank: int = 4
+) -> dict[str, float]:
+    """Each codec's CPU seconds per float32 byte of ``model``'s parameters, on one rank of this machine.
+
+    ``bf16``, ``int8``, ``int4``: a change through :func:`~lightning_hier.algorithms.compression.make_codec`
+    (error feedback; the quantized all-reduce's quantize, per-shard sum, requantization and dequantize,
+    on a group of one, so no byte is sent). ``powersgd``: torch's hook (error feedback, the two rank-``r``
+    products, the orthogonalisation, the decompression) on a group of one rank, which this function
+    creates and destroys; it is left out when a process group already exists (its DDP would
+    synchronise with the other ranks).
+    """
+    unknown = sorted(set(codecs) - set(CODECS))
+    if unknown:
+        raise ValueError(f"codec_seconds: `codecs` must be among {CODECS}, got {unknown}.")
+    params = [p.detach().clone() for p in model.parameters() if p.requires_grad]
+    nbytes = sum(p.numel() * p.element_size() for p in params)
+    out: dict[str, float] = {}
+    for codec in codecs:
+        if codec != "powersgd":
+            out[codec] = _change_codec_s(codec, params, repeats) / nbytes
+        elif not dist.is_initialized():
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+            try:
+                out[codec] = _powersgd_s(params, powersgd_rank, repeats) / nbytes
+            finally:
+                dist.destroy_process_group()
+    return out
+
+
+def _change_codec_s(codec: str, params: Sequence[Tensor], repeats: int) -> float:
+    """One window change of ``params`` through the codec, on a group of one rank."""
+    coder = make_codec(codec, list(params), world=1)
+    change = [torch.randn_like(p) for p in params]
+    if isinstance(coder, Bf16ErrorFeedback):
+        return _median_s(lambda: coder.encode_(change), repeats)
+    assert coder is not None
+    return _median_s(lambda: coder.launch(change, None, CommStats()).wait(), repeats)
 
 
 def measure_workload(
@@ -87,6 +174,8 @@ def measure_workload(
         buffers=sum(b.numel() for b in float_buffers(model)),
         tensors=len(params),
         tensor_words=tuple(p.numel() for p in params),
+        tensor_shapes=tuple(tuple(p.shape) for p in params),
+        codec_s_per_byte=codec_seconds(model, repeats=repeats),
         blocks=_blocks(model, inputs, (forward + backward) / batch_size, repeats),
         model=model_spec,
     )

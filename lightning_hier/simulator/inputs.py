@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass, replace
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
 from itertools import pairwise
 from pathlib import Path
 from statistics import NormalDist
@@ -58,6 +58,13 @@ class Workload:
         blocks: Per-block costs for the pipeline (empty: the pipeline cannot be predicted).
         tensor_words: Each parameter tensor's words in registration order (DDP fills its buckets
             with whole tensors in reverse order); empty: DDP's buckets are cut at their caps.
+        tensor_shapes: Each parameter tensor's shape in registration order (PowerSGD compresses
+            a tensor as a ``shape[0] x rest`` matrix); empty: not known (PowerSGD is not predicted).
+        codec_s_per_byte: A compressed reduction's CPU time on the worker, per float32 byte it
+            compresses, by codec (``'bf16'``, ``'int8'``, ``'int4'``, ``'powersgd'``): encoding,
+            error feedback, the quantized all-reduce's requantization, decoding
+            (:func:`~lightning_hier.simulator.calibrate.codec_seconds`). A codec not measured costs
+            nothing.
         model: How to rebuild the network for the grid's layer list: ``{"spec": name or
             "package.module:factory", "input_shape": [...], "classes": n, "args": {...}}``, or None.
         word_bytes: Bytes per word (4 for float32).
@@ -76,6 +83,8 @@ class Workload:
     tensor_words: tuple[int, ...] = ()
     model: dict[str, Any] | None = None
     word_bytes: int = 4
+    tensor_shapes: tuple[tuple[int, ...], ...] = ()
+    codec_s_per_byte: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in ("params", "batch_size", "samples_per_epoch", "tensors", "word_bytes"):
@@ -84,6 +93,18 @@ class Workload:
         for name in ("forward_s", "backward_s", "step_s"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"Workload: `{name}` must be >= 0 seconds, got {getattr(self, name)!r}.")
+        if (
+            self.tensor_shapes
+            and self.tensor_words
+            and [math.prod(s) for s in self.tensor_shapes] != list(self.tensor_words)
+        ):
+            raise ValueError(
+                f"Workload: `tensor_shapes` {list(self.tensor_shapes)} must hold `tensor_words` "
+                f"{list(self.tensor_words)}."
+            )
+        for codec, value in self.codec_s_per_byte.items():
+            if not value >= 0:
+                raise ValueError(f"Workload: `codec_s_per_byte[{codec!r}]` must be >= 0 seconds, got {value!r}.")
 
     @property
     def sample_s(self) -> float:
@@ -99,6 +120,10 @@ class Workload:
     def param_bytes(self) -> int:
         return self.params * self.word_bytes
 
+    def codec_s(self, codec: str, nbytes: float) -> float:
+        """CPU seconds of compressing ``nbytes`` float32 bytes with ``codec`` (0 for one not measured)."""
+        return self.codec_s_per_byte.get(codec, 0.0) * nbytes
+
     def with_batch(self, batch_size: int) -> Workload:
         """The same model at another per-worker batch."""
         return replace(self, batch_size=batch_size)
@@ -111,6 +136,7 @@ class Workload:
         data = dict(data)
         data["blocks"] = tuple(Block(**b) for b in data.get("blocks", ()))
         data["tensor_words"] = tuple(data.get("tensor_words", ()))
+        data["tensor_shapes"] = tuple(tuple(shape) for shape in data.get("tensor_shapes", ()))
         return cls(**data)
 
     @classmethod
@@ -157,12 +183,15 @@ class Cluster:
             raise ValueError(f"Cluster: every speed must be > 0, got {self.speeds!r}.")
         if not self.jitter_s >= 0:
             raise ValueError(f"Cluster: `jitter_s` must be >= 0 seconds, got {self.jitter_s!r}.")
-        rates = (self.link.alpha, self.link.beta, self.cpu_s_per_byte, self.collective_s_per_byte)
-        if min(rates) < 0:
-            raise ValueError(
-                "Cluster: alpha, beta, cpu_s_per_byte and collective_s_per_byte must be >= 0, got "
-                f"{self.link} {self.cpu_s_per_byte} {self.collective_s_per_byte}."
-            )
+        rates = {
+            "link.alpha": self.link.alpha,
+            "link.beta": self.link.beta,
+            "cpu_s_per_byte": self.cpu_s_per_byte,
+            "collective_s_per_byte": self.collective_s_per_byte,
+        }
+        for name, value in rates.items():
+            if not value >= 0:
+                raise ValueError(f"Cluster: `{name}` must be >= 0 seconds, got {value!r}.")
 
     @property
     def speed_list(self) -> list[float]:

@@ -7,6 +7,7 @@ from typing import Any
 
 from lightning_hier.simulator.asynchronous import asgd, dbs_async, softsync
 from lightning_hier.simulator.inputs import Cluster, Workload
+from lightning_hier.simulator.peers import ddp_fp16, ddp_post_local_sgd, ddp_powersgd
 from lightning_hier.simulator.prediction import Prediction
 from lightning_hier.simulator.strategies import (
     dbs,
@@ -40,8 +41,12 @@ MODELS: dict[str, Callable[..., Prediction]] = {
     "softsync": softsync,
     "dbs_async": dbs_async,
     "no-comm": no_comm,
+    "ddp_post_local_sgd": ddp_post_local_sgd,
+    "ddp_powersgd": ddp_powersgd,
+    "ddp_fp16": ddp_fp16,
 }
-"""Registry name -> model (GRAWA's asynchronous rounds: ``mgrawa`` / ``lgrawa`` with ``rounds='async'``)."""
+"""Registry name -> model (GRAWA's asynchronous rounds: ``mgrawa`` / ``lgrawa`` with ``rounds='async'``;
+torch's DDP hooks by their strategy names, :mod:`lightning_hier.simulator.peers`)."""
 
 
 def predict(strategy: str, workload: Workload, cluster: Cluster, **args: Any) -> Prediction:

@@ -14,9 +14,9 @@ ddp           all-reduce of ``P`` in DDP's buckets (first 1 MiB, then ``bucket_m
               backward; the last bucket (the first layers' gradients) is ready only at its end;
               ``F`` broadcast before every forward (``broadcast_buffers``)
 diloco        every ``window`` steps an all-reduce of each of ``F`` fragments (``P / F``, compressed as
-              hpsgd's), blocking, or hidden behind ``fragment_sync_delay`` steps
+              hpsgd's, with the codec's CPU time), blocking, or hidden behind ``fragment_sync_delay`` steps
 hpsgd         every ``window`` steps one all-reduce of ``P`` (bf16: ``P / 2``; int8 / int4: 1 or 1/2
-              byte per parameter + a 4-byte scale per 64) + ``F``, hidden
+              byte per parameter + a 4-byte scale per 64; the codec's CPU time) + ``F``, hidden
               behind the next window: ``max(H t + cpu cost, all-reduce) / H``; staleness ``H``
               (``delay`` ``D``: hidden behind ``D`` steps, ``(H - D) t + max(D t + cpu, all-reduce)``)
 localsgd      every ``tau`` steps a blocking all-reduce of ``P`` + ``F`` + the 8-byte consensus distance
@@ -143,9 +143,17 @@ def ddp_buckets(nbytes: int, bucket_mb: float = 25.0, tensor_bytes: Sequence[int
 
 def ddp(workload: Workload, cluster: Cluster, bucket_mb: float = 25.0) -> Prediction:
     """Lightning's DDP: bucketed gradient all-reduce overlapped with the backward."""
+    return ddp_with_gradients(workload, cluster, bucket_mb, workload.word_bytes, "ddp")
+
+
+def ddp_with_gradients(
+    workload: Workload, cluster: Cluster, bucket_mb: float, gradient_bytes: float, name: str
+) -> Prediction:
+    """DDP whose buckets carry ``gradient_bytes`` per parameter (float16 gradients: 2); buckets fill as float32."""
     p, speed = cluster.workers, min(cluster.speed_list)
     tensors = [w * workload.word_bytes for w in workload.tensor_words]
-    buckets = [all_reduce(n, p, cluster) for n in ddp_buckets(workload.param_bytes, bucket_mb, tensors)]
+    scale = gradient_bytes / workload.word_bytes
+    buckets = [all_reduce(n * scale, p, cluster) for n in ddp_buckets(workload.param_bytes, bucket_mb, tensors)]
     early = sum(buckets[:-1], NONE)
     last = buckets[-1] if buckets else NONE
     buffers = broadcast(workload.buffers * workload.word_bytes, p, cluster)
@@ -157,7 +165,7 @@ def ddp(workload: Workload, cluster: Cluster, bucket_mb: float = 25.0) -> Predic
     comm = early + last + buffers
     fastest = min(compute_s(workload, cluster))
     return Prediction(
-        "ddp",
+        name,
         {"bucket_mb": bucket_mb},
         p,
         step_s=step,
@@ -198,16 +206,18 @@ def hpsgd(
     """HPSGD: one all-reduce per window, hidden behind the next window's compute.
 
     The quantized forms (``int8``, ``int4``) are costed as a ring all-reduce of their payload
-    (the all-to-all and all-gather of :mod:`lightning_hier.comm.quantized` move the same bytes);
-    the CPU time of quantizing is not modelled. With ``delay`` the reduction hides behind
+    (the all-to-all and all-gather of :mod:`lightning_hier.comm.quantized` move the same bytes),
+    and every compressed form adds its codec's CPU time (``Workload.codec_s_per_byte``) to the
+    window: the training thread encodes and decodes. With ``delay`` the reduction hides behind
     ``delay`` steps instead of the window's ``window``.
     """
     comm = _change_reduction(workload, cluster, workload.params, compression, _buffer_bytes(workload, sync_buffers))
     work = compute_s(workload, cluster)
     hidden = window if delay is None else delay
+    codec = workload.codec_s(compression, workload.param_bytes)  # encoded at the launch, on the training thread
     period, _ = overlapped(hidden * max(work), comm, cluster)
-    period += (window - hidden) * max(work) + sync_wait(cluster, window)  # each reduction needs every replica
-    fastest = window * min(work) + cluster.cpu_s_per_byte * comm.wire_bytes
+    period += codec + (window - hidden) * max(work) + sync_wait(cluster, window)  # each reduction needs every replica
+    fastest = window * min(work) + codec + cluster.cpu_s_per_byte * comm.wire_bytes
     args = {"window": window, "compression": compression, "sync_buffers": sync_buffers, "delay": delay}
     return _periodic("hpsgd", workload, cluster, args, window, period, fastest, comm, float(hidden))
 
@@ -235,7 +245,9 @@ def diloco(
         _change_reduction(workload, cluster, workload.params / count, compression, buffers if f == 0 else 0)
         for f in range(count)
     ]
-    cpu = [cluster.cpu_s_per_byte * c.wire_bytes for c in comms]
+    # each fragment's encoding (on the training thread) and what gloo takes from the compute it overlaps
+    codec = workload.codec_s(compression, workload.param_bytes / count)
+    cpu = [codec + cluster.cpu_s_per_byte * c.wire_bytes for c in comms]
     if fragment_sync_delay == 0:
         waited = sum(c.time_s for c in comms)
     else:
@@ -258,7 +270,7 @@ def diloco(
         period,
         window * min(work) + sum(cpu),
         total,
-        float(fragment_sync_delay),
+        float(window - 1 + fragment_sync_delay),  # as Local SGD's, and a fragment's sum lands D steps late
     )
 
 

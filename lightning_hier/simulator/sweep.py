@@ -1,10 +1,12 @@
 """Throughput against worker count for every strategy, each with its best arguments, and a recommendation.
 
-Each family's arguments are searched over a small grid (window, tau, pipeline stages, the
-planner's grid); :func:`tune` keeps the *smallest* period whose throughput is within
-``tolerance`` of the family's best, since a longer period or window only adds staleness once
-communication is hidden. :func:`recommend` prefers a synchronous strategy (staleness 0) unless
-another one is more than ``tolerance`` faster.
+The rows are this library's strategies and torch's DDP hooks (PostLocalSGD, PowerSGD, fp16), so a
+recommendation can name a peer. Each family's arguments are searched over a small grid (window,
+tau, pipeline stages, the planner's grid); :func:`tune` keeps the *smallest* period whose
+throughput is within ``tolerance`` of the family's best, since a longer period or window only adds
+staleness once communication is hidden. :func:`recommend` prefers a synchronous strategy (staleness 0) unless
+another one is more than ``tolerance`` faster, and among those DDP's exact gradients over
+fp16's and PowerSGD's compressed ones.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ CANDIDATES: dict[str, list[dict[str, Any]]] = {
     "ddp": [{}],
     "dbs": [{}],
     "hpsgd": [{"window": h} for h in (1, 2, 4, 8, 16, 32, 64)],
+    "diloco": [{"window": h} for h in (8, 16, 32, 64, 128)],
     "localsgd": [{"tau": t} for t in (2, 4, 8, 16, 32, 64)],
     "easgd": [{"tau": t} for t in (2, 4, 8, 16, 32, 64)],
     "lsgd": [{"tau": t} for t in (2, 4, 8, 16, 32, 64)],
@@ -38,8 +41,12 @@ CANDIDATES: dict[str, list[dict[str, Any]]] = {
     "asgd-shared": [{"sampler": "shared"}],
     "dbs_async-shared": [{"sampler": "shared"}],
     "mgrawa-async-shared": [{"tau": t, "rounds": "async", "sampler": "shared"} for t in (4, 8, 16, 32, 64)],
+    "ddp_post_local_sgd": [{"model_averaging_period": t} for t in (2, 4, 8, 16, 32, 64)],
+    "ddp_powersgd": [{"powersgd_rank": r} for r in (8, 4, 2, 1)],
+    "ddp_fp16": [{}],
 }
-"""Arguments searched per row (the period, window or softsync's ``n`` in increasing order)."""
+"""Arguments searched per row (the period, window or softsync's ``n`` in increasing order; PowerSGD's rank
+in decreasing order: the least compression within the tolerance is kept)."""
 ROW_MODEL = {
     "mgrawa-async": "mgrawa",
     "lgrawa-async": "lgrawa",
@@ -61,6 +68,8 @@ def _feasible(
         return bool(layers)
     if strategy == "softsync":
         return int(args["n"]) <= cluster.workers
+    if strategy == "ddp_powersgd":
+        return bool(workload.tensor_shapes)
     return True
 
 
@@ -101,12 +110,17 @@ def sweep(
     return out
 
 
+COMPRESSED = ("ddp_fp16", "ddp_powersgd")
+"""Synchronous, but their gradients are rounded or low-rank: picked after the exact ones."""
+
+
 def recommend(row: dict[str, Prediction], tolerance: float = 0.05) -> Prediction:
-    """The fastest strategy, or a synchronous one within ``tolerance`` of it."""
+    """The fastest strategy, or a synchronous one within ``tolerance`` of it (exact gradients first)."""
     best = max(row.values(), key=lambda p: p.samples_per_s)
     synchronous = [p for p in row.values() if p.staleness == 0 and p.strategy != "no-comm"]
     fast_sync = [p for p in synchronous if p.samples_per_s >= (1 - tolerance) * best.samples_per_s]
-    return max(fast_sync, key=lambda p: p.samples_per_s) if fast_sync else best
+    exact = [p for p in fast_sync if p.strategy not in COMPRESSED]
+    return max(exact or fast_sync, key=lambda p: p.samples_per_s) if fast_sync else best
 
 
 def crossover(results: dict[int, dict[str, Prediction]], strategy: str, baseline: str = "ddp") -> int | None:
@@ -130,8 +144,9 @@ def _crossing_text(count: int | None, smallest: int) -> str:
 
 
 def _args_text(p: Prediction) -> str:
-    keys = ("window", "tau", "pipe", "grid", "n", "rounds", "sampler")
-    shown = {k: v for k, v in p.args.items() if k in keys and v not in ("sync", "split")}
+    keys = ("window", "tau", "pipe", "grid", "n", "rounds", "sampler", "model_averaging_period", "powersgd_rank")
+    short = {"model_averaging_period": "period", "powersgd_rank": "rank"}
+    shown = {short.get(k, k): v for k, v in p.args.items() if k in keys and v not in ("sync", "split")}
     return ",".join(f"{k}={'x'.join(map(str, v)) if isinstance(v, tuple) else v}" for k, v in shown.items())
 
 

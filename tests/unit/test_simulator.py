@@ -228,7 +228,7 @@ def test_a_blocking_collective_lasts_at_least_the_cpu_time_of_its_bytes():
     # Local SGD's blocking round pays it in full; DDP's last bucket too
     w = _workload(0.0, 0.0, 0.0)
     assert predict("localsgd", w, fast, tau=1).step_s == pytest.approx(3e-9 * (4e6 + 8))
-    with pytest.raises(ValueError, match=r"collective_s_per_byte must be >= 0"):
+    with pytest.raises(ValueError, match=r"`collective_s_per_byte` must be >= 0"):
         Cluster(2, LINK, collective_s_per_byte=-1.0)
 
 

@@ -1,0 +1,157 @@
+"""torch's DDP communication hooks as the benchmarks run them (:mod:`lightning_hier.strategies.peers`).
+
+These are the peers a user would pick instead of this library's strategies, so the simulator
+predicts them beside its own (per optimizer step, steady state; ``P`` parameter bytes, ``F``
+float-buffer bytes):
+
+==================  ==================================================================================
+strategy            per optimizer step
+==================  ==================================================================================
+ddp_post_local_sgd  DDP's step whose hook sends nothing (``post_local_gradient_allreduce=False``), ``F``
+                    broadcast before every forward; every ``model_averaging_period`` steps a blocking
+                    all-reduce of ``P`` (torch's ``average_parameters`` flattens the parameters into one)
+ddp_powersgd        the model in one DDP bucket (what gloo needs): after the backward, three blocking
+                    all-reduces in turn (the tensors left uncompressed; the ``P`` factors; the ``Q``
+                    factors) and the codec's CPU time (``Workload.codec_s_per_byte['powersgd']``)
+ddp_fp16            DDP (:func:`~lightning_hier.simulator.strategies.ddp`) with float16 gradients: half
+                    the bytes in the same buckets
+==================  ==================================================================================
+
+PowerSGD (Vogels, Karimireddy and Jaggi, NeurIPS 2019) views each gradient as a ``n x m`` matrix
+(``shape[0] x rest``) and, at rank ``r = min(n, m, powersgd_rank)``, sends ``(n + m) r`` words
+in place of ``n m`` when ``(n + m) r * min_compression_rate < n m``; the others (every vector)
+go uncompressed (torch's ``_should_compress``). The first ``warmup_steps`` steps of both hooks
+are plain all-reduces; that warm-up, and PostLocalSGD's averaging after the last step, belong to
+the fit, not the steady state (``benchmarks/fit_model.py`` adds them to a run's prediction).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+from lightning_hier.simulator.collectives import Comm, all_reduce, broadcast
+from lightning_hier.simulator.inputs import Cluster, Workload
+from lightning_hier.simulator.jitter import sync_wait
+from lightning_hier.simulator.prediction import Prediction, compute_s, steps_per_epoch
+from lightning_hier.simulator.strategies import ddp, ddp_with_gradients
+
+MIN_COMPRESSION_RATE = 2.0
+"""torch's ``PowerSGDState`` default: a matrix is compressed only if that shrinks it at least twice."""
+
+
+def powersgd_words(
+    shapes: Sequence[Sequence[int]], rank: int, min_compression_rate: float = MIN_COMPRESSION_RATE
+) -> tuple[int, int, int, int]:
+    """``(uncompressed, p_factors, q_factors, compressed_numel)``: the words of PowerSGD's three all-reduces.
+
+    ``compressed_numel`` is the gradients' words that the factors stand for (what the codec reads).
+    """
+    uncompressed = p_words = q_words = compressed = 0
+    for shape in shapes:
+        n = int(shape[0]) if shape else 1
+        m = math.prod(shape) // n if n else 0
+        r = min(n, m, rank)
+        if (n + m) * r * min_compression_rate < n * m:
+            p_words, q_words, compressed = p_words + n * r, q_words + m * r, compressed + n * m
+        else:
+            uncompressed += n * m
+    return uncompressed, p_words, q_words, compressed
+
+
+def _prediction(
+    name: str,
+    workload: Workload,
+    cluster: Cluster,
+    args: dict[str, Any],
+    elapsed: float,
+    comm: Comm,
+    warmup_s: float,
+    warmup: Comm,
+    period: int = 1,
+) -> Prediction:
+    """``period`` steps that take ``elapsed`` seconds in all and send ``comm``.
+
+    A warm-up step (gradients all-reduced plainly) takes ``warmup_s`` and sends ``warmup``.
+    """
+    return Prediction(
+        name,
+        args,
+        cluster.workers,
+        step_s=elapsed / period,
+        samples_per_step=workload.batch_size * cluster.workers,
+        steps_per_epoch=steps_per_epoch(workload, cluster.workers),
+        wire_bytes=comm.wire_bytes / period,
+        payload_bytes=comm.payload_bytes / period,
+        blocked_s=max(0.0, elapsed - period * min(compute_s(workload, cluster))) / period,
+        staleness=float(period - 1),
+        detail={
+            "warmup_step_s": warmup_s,
+            "warmup_wire_bytes": warmup.wire_bytes,
+            "warmup_payload_bytes": warmup.payload_bytes,
+        },
+    )
+
+
+def ddp_post_local_sgd(workload: Workload, cluster: Cluster, model_averaging_period: int = 4) -> Prediction:
+    """Post-local SGD (torch's hook): local steps, the parameters averaged every ``model_averaging_period`` steps.
+
+    ``detail``: the averaging round alone (``round_comm_s``, ``round_wire_bytes``,
+    ``round_payload_bytes``) and a warm-up step (DDP's, gradients all-reduced).
+    """
+    p, period = cluster.workers, int(model_averaging_period)
+    buffers = broadcast(workload.buffers * workload.word_bytes, p, cluster)
+    average = all_reduce(workload.param_bytes, p, cluster)
+    local = max(compute_s(workload, cluster)) + buffers.time_s
+    elapsed = period * local + sync_wait(cluster, period) + average.time_s
+    args = {"model_averaging_period": period}
+    plain = ddp(workload, cluster)
+    warmup = Comm(0.0, plain.wire_bytes, plain.payload_bytes)
+    comm = buffers.times(period) + average
+    prediction = _prediction("ddp_post_local_sgd", workload, cluster, args, elapsed, comm, plain.step_s, warmup, period)
+    round_detail = {
+        "local_step_s": local,
+        "round_s": sync_wait(cluster, period) + average.time_s,
+        "round_wire_bytes": average.wire_bytes,
+        "round_payload_bytes": average.payload_bytes,
+    }
+    return replace(prediction, detail={**prediction.detail, **round_detail})
+
+
+def ddp_powersgd(
+    workload: Workload, cluster: Cluster, powersgd_rank: int = 4, min_compression_rate: float = MIN_COMPRESSION_RATE
+) -> Prediction:
+    """PowerSGD (torch's hook) on one bucket: three all-reduces after the backward, with the codec's CPU time.
+
+    ``detail``: ``codec_s`` and a warm-up step (the whole bucket all-reduced after the backward).
+    """
+    if not workload.tensor_shapes:
+        raise ValueError(
+            "ddp_powersgd: the workload needs `tensor_shapes` (PowerSGD compresses each tensor as a matrix)."
+        )
+    p, word = cluster.workers, workload.word_bytes
+    uncompressed, p_words, q_words, compressed = powersgd_words(
+        workload.tensor_shapes, powersgd_rank, min_compression_rate
+    )
+    buffers = broadcast(workload.buffers * word, p, cluster)
+    comm = sum((all_reduce(words * word, p, cluster) for words in (uncompressed, p_words, q_words)), buffers)
+    codec = workload.codec_s("powersgd", compressed * word)
+    compute = max(compute_s(workload, cluster)) + sync_wait(cluster, 1)
+    plain = buffers + all_reduce(workload.param_bytes, p, cluster)
+    args = {"powersgd_rank": powersgd_rank}
+    elapsed = compute + codec + comm.time_s
+    prediction = _prediction("ddp_powersgd", workload, cluster, args, elapsed, comm, compute + plain.time_s, plain)
+    return replace(prediction, detail={**prediction.detail, "codec_s": codec})
+
+
+def ddp_fp16(workload: Workload, cluster: Cluster, bucket_mb: float = 25.0) -> Prediction:
+    """DDP with its gradients cast to float16 for the all-reduce (the cast's CPU time is not modelled).
+
+    torch's hook casts each bucket after DDP filled it, so the buckets are DDP's own.
+    """
+    return ddp_with_gradients(workload, cluster, bucket_mb, 2, "ddp_fp16")
+
+
+__all__ = ["MIN_COMPRESSION_RATE", "ddp_fp16", "ddp_post_local_sgd", "ddp_powersgd", "powersgd_words"]
