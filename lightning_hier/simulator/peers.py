@@ -35,8 +35,8 @@ from typing import Any
 from lightning_hier.simulator.collectives import Comm, all_reduce, broadcast
 from lightning_hier.simulator.inputs import Cluster, Workload
 from lightning_hier.simulator.jitter import sync_wait
-from lightning_hier.simulator.prediction import Prediction, compute_s, steps_per_epoch
-from lightning_hier.simulator.strategies import ddp, ddp_with_gradients
+from lightning_hier.simulator.prediction import Prediction, compute_s
+from lightning_hier.simulator.strategies import ddp, ddp_with_gradients, periodic
 
 MIN_COMPRESSION_RATE = 2.0
 """torch's ``PowerSGDState`` default: a matrix is compressed only if that shrinks it at least twice."""
@@ -76,23 +76,14 @@ def _prediction(
 
     A warm-up step (gradients all-reduced plainly) takes ``warmup_s`` and sends ``warmup``.
     """
-    return Prediction(
-        name,
-        args,
-        cluster.workers,
-        step_s=elapsed / period,
-        samples_per_step=workload.batch_size * cluster.workers,
-        steps_per_epoch=steps_per_epoch(workload, cluster.workers),
-        wire_bytes=comm.wire_bytes / period,
-        payload_bytes=comm.payload_bytes / period,
-        blocked_s=max(0.0, elapsed - period * min(compute_s(workload, cluster))) / period,
-        staleness=float(period - 1),
-        detail={
-            "warmup_step_s": warmup_s,
-            "warmup_wire_bytes": warmup.wire_bytes,
-            "warmup_payload_bytes": warmup.payload_bytes,
-        },
-    )
+    busy = period * min(compute_s(workload, cluster))
+    prediction = periodic(name, workload, cluster, args, period, elapsed, busy, comm, float(period - 1))
+    detail = {
+        "warmup_step_s": warmup_s,
+        "warmup_wire_bytes": warmup.wire_bytes,
+        "warmup_payload_bytes": warmup.payload_bytes,
+    }
+    return replace(prediction, detail=detail)
 
 
 def ddp_post_local_sgd(workload: Workload, cluster: Cluster, model_averaging_period: int = 4) -> Prediction:

@@ -68,7 +68,7 @@ def _buffer_bytes(workload: Workload, sync_buffers: bool) -> int:
     return workload.buffers * workload.word_bytes if sync_buffers else 0
 
 
-def _periodic(
+def periodic(
     name: str,
     workload: Workload,
     cluster: Cluster,
@@ -106,14 +106,14 @@ def _sync(
     The collective waits for every worker, so the slowest one's jitter since the last round too.
     """
     elapsed = max(work) + sync_wait(cluster, period) + comm.time_s
-    return _periodic(name, workload, cluster, args, period, elapsed, min(work), comm, float(period - 1))
+    return periodic(name, workload, cluster, args, period, elapsed, min(work), comm, float(period - 1))
 
 
 # ---------------------------------------------------------------------------- the strategies
 def no_comm(workload: Workload, cluster: Cluster) -> Prediction:
     """Compute only: every worker trains alone (the throughput bound of any strategy; nobody waits)."""
     work = compute_s(workload, cluster)
-    return _periodic("no-comm", workload, cluster, {}, 1, max(work), min(work), NONE, 0.0)
+    return periodic("no-comm", workload, cluster, {}, 1, max(work), min(work), NONE, 0.0)
 
 
 def ddp_buckets(nbytes: int, bucket_mb: float = 25.0, tensor_bytes: Sequence[int] = ()) -> list[float]:
@@ -219,7 +219,7 @@ def hpsgd(
     period += codec + (window - hidden) * max(work) + sync_wait(cluster, window)  # each reduction needs every replica
     fastest = window * min(work) + codec + cluster.cpu_s_per_byte * comm.wire_bytes
     args = {"window": window, "compression": compression, "sync_buffers": sync_buffers, "delay": delay}
-    return _periodic("hpsgd", workload, cluster, args, window, period, fastest, comm, float(hidden))
+    return periodic("hpsgd", workload, cluster, args, window, period, fastest, comm, float(hidden))
 
 
 def diloco(
@@ -261,7 +261,7 @@ def diloco(
         "compression": compression,
         "sync_buffers": sync_buffers,
     }
-    return _periodic(
+    return periodic(
         "diloco",
         workload,
         cluster,
