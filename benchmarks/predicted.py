@@ -136,11 +136,11 @@ def _workload(
     tensor_words = tuple(int(n) for n in model.get("tensor_words") or ())
     # the no-comm run trains the whole network on every rank (a grid run records its own shards)
     preset = _preset(tuple(int(n) for n in (reference.get("model") or {}).get("tensor_words") or ()))
-    same_network = preset is not None and preset.tensor_words == tensor_words
+    same = preset if preset is not None and preset.tensor_words == tensor_words else None
+    # runs recorded before their tensors' shapes take the same network's; its codec costs too
     shapes = tuple(tuple(int(n) for n in shape) for shape in model.get("tensor_shapes") or ())
-    if not shapes and preset is not None and same_network:
-        shapes = preset.tensor_shapes  # runs recorded before their tensors' shapes: the same network's
-    codecs = dict(preset.codec_s_per_byte) if preset is not None and same_network else {}
+    shapes = shapes or (same.tensor_shapes if same is not None else ())
+    codecs = dict(same.codec_s_per_byte) if same is not None else {}
     if _model_overrides(run) != _model_overrides(reference):
         # e.g. model.layer_blocks=true: the same tensors in other blocks, which the preset does not
         # describe, so no blocks (no pipeline prediction) and no layer list (no grid prediction)
@@ -191,7 +191,8 @@ def _preset(tensor_words: tuple[int, ...]) -> Workload | None:
 
 
 def _structure_args(strategy: str, config: dict[str, Any], workload: Workload, world: int) -> dict[str, Any] | None:
-    """The pipeline's stages and the grid's shape and layer list (None: the run cannot be predicted)."""
+    """The pipeline's stages and the grid's shape and layer list (None: the run cannot be predicted,
+    as PowerSGD without the tensors' shapes)."""
     if strategy == "decoupled":
         stages = config.get("stages", "auto")
         # `auto` picks one stage per rank of a node; the benchmark's nodes are one rank each, up to the world
@@ -201,6 +202,8 @@ def _structure_args(strategy: str, config: dict[str, Any], workload: Workload, w
         layers = workload_layers(workload)
         grid = config.get("grid")
         return {"layers": layers, "grid": tuple(grid) if isinstance(grid, list) else None} if layers else None
+    if strategy == "ddp_powersgd":
+        return {} if workload.tensor_shapes else None
     return {}
 
 
@@ -228,7 +231,7 @@ def predict_run(label: str, run: dict[str, Any], result: dict[str, Any], world: 
     if workload is None:
         return None
     structure = _structure_args(strategy, config, workload, world)
-    if structure is None or (strategy == "ddp_powersgd" and not workload.tensor_shapes):
+    if structure is None:
         return None
     args = {} if strategy == "no-comm" else {**_arguments(strategy, config), **structure}
     steady = predict(strategy, workload, cluster, **args)

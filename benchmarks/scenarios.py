@@ -293,14 +293,21 @@ def ddp_peers(
     return tuple(table[h] for h in hooks)
 
 
-def beats_ddp_and_peers(time_ratio: float, why: str) -> tuple[Target, ...]:
-    """HPSGD's promise (issue 12): sooner to the target accuracy than DDP (by ``time_ratio``) and
-    than the PostLocalSGD and PowerSGD peers, and at least as accurate at equal wall time as DDP
-    and Local SGD."""
+def sooner_than_ddp_and_peers(time_ratio: float, why: str) -> tuple[Target, ...]:
+    """Sooner to the target accuracy than DDP (by ``time_ratio``) and than the PostLocalSGD and
+    PowerSGD peers."""
     return (
         Target("time_to_target_s", "<=", time_ratio, why),
         Target("time_to_target_s", "<=", 1.0, "no slower than the peer", versus="ddp+postlocalsgd"),
         Target("time_to_target_s", "<=", 1.0, "no slower than the peer", versus="ddp+powersgd"),
+    )
+
+
+def beats_ddp_and_peers(time_ratio: float, why: str) -> tuple[Target, ...]:
+    """HPSGD's promise (issue 12): :func:`sooner_than_ddp_and_peers`, and at least as accurate at
+    equal wall time as DDP and Local SGD."""
+    return (
+        *sooner_than_ddp_and_peers(time_ratio, why),
         Target("acc_at_equal_time", ">=", 1.0, "better accuracy in given wall time"),
         Target("acc_at_equal_time", ">=", 1.0, "better accuracy in given wall time", versus="localsgd"),
     )
@@ -377,11 +384,7 @@ SCENARIOS: tuple[Scenario, ...] = (
         "hpsgd_cnn_10mbit",
         "hpsgd",
         {"window": 8, "compression": "int4"},
-        (
-            Target("time_to_target_s", "<=", 0.1, "a 0.3 MB reduction hidden behind 8 steps"),
-            Target("time_to_target_s", "<=", 1.0, "no slower than the peer", versus="ddp+postlocalsgd"),
-            Target("time_to_target_s", "<=", 1.0, "no slower than the peer", versus="ddp+powersgd"),
-        ),
+        sooner_than_ddp_and_peers(0.1, "a 0.3 MB reduction hidden behind 8 steps"),
     ),
     Scenario("hpsgd_cnn_10mbit", "hpsgd", {"window": 8, "compression": "int4", "delay": 2}, label="hpsgd-d2"),
     Scenario("hpsgd_cnn_10mbit", "diloco", {"window": 16, "compression": "int4"}, label="diloco-w16-int4"),

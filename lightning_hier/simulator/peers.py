@@ -89,22 +89,21 @@ def _prediction(
 def ddp_post_local_sgd(workload: Workload, cluster: Cluster, model_averaging_period: int = 4) -> Prediction:
     """Post-local SGD (torch's hook): local steps, the parameters averaged every ``model_averaging_period`` steps.
 
-    ``detail``: the averaging round alone (``round_comm_s``, ``round_wire_bytes``,
-    ``round_payload_bytes``) and a warm-up step (DDP's, gradients all-reduced).
+    ``detail``: the averaging round alone (``round_s``, ``round_wire_bytes``, ``round_payload_bytes``)
+    and a warm-up step (DDP's, gradients all-reduced).
     """
     p, period = cluster.workers, int(model_averaging_period)
     buffers = broadcast(workload.buffers * workload.word_bytes, p, cluster)
     average = all_reduce(workload.param_bytes, p, cluster)
-    local = max(compute_s(workload, cluster)) + buffers.time_s
-    elapsed = period * local + sync_wait(cluster, period) + average.time_s
+    round_s = sync_wait(cluster, period) + average.time_s  # the average waits for the slowest replica
+    elapsed = period * (max(compute_s(workload, cluster)) + buffers.time_s) + round_s
     args = {"model_averaging_period": period}
     plain = ddp(workload, cluster)
     warmup = Comm(0.0, plain.wire_bytes, plain.payload_bytes)
     comm = buffers.times(period) + average
     prediction = _prediction("ddp_post_local_sgd", workload, cluster, args, elapsed, comm, plain.step_s, warmup, period)
     round_detail = {
-        "local_step_s": local,
-        "round_s": sync_wait(cluster, period) + average.time_s,
+        "round_s": round_s,
         "round_wire_bytes": average.wire_bytes,
         "round_payload_bytes": average.payload_bytes,
     }

@@ -235,7 +235,8 @@ def diloco(
 
     ``fragment_sync_delay = 0``: each fragment's reduction blocks. Otherwise it hides behind that
     many steps' compute, and only what exceeds them (``max(0, all-reduce - D t - cpu cost)``) is
-    waited for. The buffers go with the first fragment. Quantizing is not modelled (as for HPSGD).
+    waited for. The buffers go with the first fragment. Each fragment's codec CPU time
+    (``Workload.codec_s_per_byte``) is on the training thread, as HPSGD's.
     """
     count = max(1, min(int(fragments), workload.tensors or int(fragments)))
     work = compute_s(workload, cluster)

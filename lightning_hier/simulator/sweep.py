@@ -4,9 +4,9 @@ The rows are this library's strategies and torch's DDP hooks (PostLocalSGD, Powe
 recommendation can name a peer. Each family's arguments are searched over a small grid (window,
 tau, pipeline stages, the planner's grid); :func:`tune` keeps the *smallest* period whose
 throughput is within ``tolerance`` of the family's best, since a longer period or window only adds
-staleness once communication is hidden. :func:`recommend` prefers a synchronous strategy (staleness 0) unless
-another one is more than ``tolerance`` faster, and among those DDP's exact gradients over
-fp16's and PowerSGD's compressed ones.
+staleness once communication is hidden. :func:`recommend` prefers a synchronous strategy
+(staleness 0) unless another one is more than ``tolerance`` faster, and among those DDP's exact
+gradients over fp16's and PowerSGD's compressed ones.
 """
 
 from __future__ import annotations
