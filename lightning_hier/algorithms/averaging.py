@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -69,6 +69,21 @@ __all__ = [
     "float_buffers",
     "pull_",
 ]
+
+
+T = TypeVar("T")
+
+
+class RoundGuard(Protocol):
+    """Runs each collective of the rounds under a membership that may change (fault-tolerant training).
+
+    :meth:`run` calls ``collective`` (a round, a consensus, the final round) over the replicas
+    alive at that point, after :meth:`PeriodicAveraging.regroup` if they changed, and runs it
+    again among the survivors, from the state before it, when a replica fails during it.
+    ``admit``: restarted replicas may be admitted at this point (rounds only).
+    """
+
+    def run(self, algorithm: PeriodicAveraging, collective: Callable[[], T], admit: bool) -> T: ...
 
 
 def float_buffers(module: nn.Module) -> list[Tensor]:
@@ -123,6 +138,8 @@ class PeriodicAveraging:
         self.group, self.levels = group, levels
         self.world = group_size(group)
         self.rank = 0 if group is None else dist.get_rank(group)
+        self.guard: RoundGuard | None = None
+        """Runs the rounds' collectives under a changing membership (``None``: a fixed group)."""
         self.policy = policy
         self.schedule = PeriodicSchedule(tau)
         self.lam = policy.default_lam(self.world) if lam is None else lam
@@ -158,7 +175,15 @@ class PeriodicAveraging:
             pull_(self.flat.buckets, self.center, self.rho / self.schedule.tau)
         if not self.schedule.step():
             return None
-        return self.sync(norms)
+        return self._guarded(lambda: self.sync(norms), admit=True)
+
+    def _guarded(self, collective: Callable[[], T], admit: bool = False) -> T:
+        return collective() if self.guard is None else self.guard.run(self, collective, admit)
+
+    def regroup(self, group: Group) -> None:
+        """Average over ``group`` from now on (the live replicas of a fault-tolerant run; every member calls it)."""
+        self.group, self.world = group, group_size(group)
+        self.rank = 0 if group is None else group.rank()  # also a group made outside the default one
 
     @torch.no_grad()
     def sync(self, norms: Callable[[], Tensor] | None = None) -> RoundReport:
@@ -291,7 +316,7 @@ class PeriodicAveraging:
         The consensus model is the EASGD center variable, or the policy's combination of the
         current replicas with its latest weights (no new measurement); buffers are averaged.
         """
-        swaps = self._consensus_swaps()
+        swaps = self._guarded(self._consensus_swaps)
         backups = [flat.clone() for flat, _ in swaps]
         for flat, new in swaps:
             flat.copy_(new)
@@ -326,6 +351,10 @@ class PeriodicAveraging:
         """
         if self.schedule.since_sync == 0 and self._replicas_equal:
             return  # nothing trained since the replicas were last made equal
+        self._guarded(lambda: self._final_round(norms))
+
+    @torch.no_grad()
+    def _final_round(self, norms: Callable[[], Tensor] | None) -> None:
         partial = self.schedule.since_sync > 0 or self._node_only  # two levels: the nodes still differ
         if not self.policy.lock_step:
             if partial:  # the final report: the server records the trained replica as it is (no pull)

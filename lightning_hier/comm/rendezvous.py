@@ -51,7 +51,7 @@ def init_default_group(
         dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
         return
     if rank == 0:
-        listener = _listen(address, port, multi_node)
+        listener = listen(address, port, multi_node)
         store = dist.TCPStore(
             address,
             port,
@@ -66,7 +66,7 @@ def init_default_group(
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
 
 
-def _listen(address: str, port: int, multi_node: bool) -> socket.socket:
+def listen(address: str, port: int, multi_node: bool) -> socket.socket:
     family, _, _, _, sockaddr = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)[0]
     if multi_node and ipaddress.ip_address(sockaddr[0]).is_loopback:
         family, sockaddr = socket.AF_INET6, ("::", port)  # torch's own choice (see the module docstring)

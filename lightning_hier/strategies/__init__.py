@@ -8,6 +8,7 @@ of torch's communication hooks.
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_hier.strategies._checkpoint import CheckpointError
+from lightning_hier.strategies._fault_tolerance import FaultTolerance
 from lightning_hier.strategies._finite import NonFiniteError
 from lightning_hier.strategies.adapter import HierStrategy
 from lightning_hier.strategies.averaging import EasgdStrategy, LocalSGDStrategy, LsgdStrategy
@@ -63,6 +64,7 @@ __all__ = [
     "DecoupledStrategy",
     "DiLoCoStrategy",
     "EasgdStrategy",
+    "FaultTolerance",
     "GrawaStrategy",
     "Grid2DStrategy",
     "HPSGDStrategy",

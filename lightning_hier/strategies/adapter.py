@@ -13,6 +13,8 @@ holds:
 ``guard``           failure handling: reports, the watchdog, ending launched ranks (:class:`FailureGuard`)
 ``finite``          the opt-in non-finite guard (:class:`FiniteGuard`)
 ``data_position``   where training is in its data, for exact resume (:class:`DataPosition`)
+``fault_tolerance`` the opt-in fault-tolerant mode: live membership, restarts, rejoining
+                    through a peer (:class:`~lightning_hier.strategies.FaultTolerance`)
 ``comm_stats``      bytes sent and time blocked in collectives
 ==================  ==========================================================================
 
@@ -33,7 +35,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -63,7 +65,9 @@ from lightning_hier.strategies import _checkpoint as ckpt
 from lightning_hier.strategies import _checkpointing, _data_position, _finish
 from lightning_hier.strategies._checkpoint_file import read_checkpoint
 from lightning_hier.strategies._data_position import DataPosition
-from lightning_hier.strategies._failure import FailureGuard
+from lightning_hier.strategies._elastic_launcher import ElasticLauncher
+from lightning_hier.strategies._failure import END_GRACE_S, FailureGuard
+from lightning_hier.strategies._fault_tolerance import LIVE_CHECKPOINT, LIVE_STATE_KEY, FaultTolerance
 from lightning_hier.strategies._finite import FiniteGuard, loss_of, warn_if_not_finite
 from lightning_hier.strategies._launchers import _CheckedScriptLauncher
 from lightning_hier.strategies._registry import register_family
@@ -112,6 +116,11 @@ class HierStrategy(ParallelStrategy):
             before they reach the other ranks, and stop the run with a
             :class:`~lightning_hier.strategies._finite.NonFiniteError` naming the rank and step.
             Off by default (one extra pass over the parameters per step).
+        fault_tolerance: Keep training when a replica fails, and restart it
+            (:class:`~lightning_hier.strategies.FaultTolerance`, its arguments as a mapping, or
+            ``True`` for its defaults);
+            periodic rules only (``localsgd``, the GRAWA family), with ``start_method`` ``'fork'``
+            or ``'spawn'``. ``None`` (default): a failure ends the run.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin:
             Set by the Trainer; as in Lightning's own strategies.
     """
@@ -128,6 +137,7 @@ class HierStrategy(ParallelStrategy):
         start_method: str = "popen",
         process_group_backend: str | None = None,
         check_finite: bool = False,
+        fault_tolerance: FaultTolerance | Mapping[str, Any] | bool | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -151,6 +161,9 @@ class HierStrategy(ParallelStrategy):
         self._process_group_backend = v.check_choice(owner, "process_group_backend", process_group_backend, BACKENDS)
         self.guard = FailureGuard(self._timeout)
         self.finite = FiniteGuard(v.check_bool(owner, "check_finite", check_finite), owner)
+        self.fault_tolerance = FaultTolerance.of(owner, fault_tolerance)
+        if self.fault_tolerance is not None:
+            self.fault_tolerance.check(owner, self.sync.fault_tolerance_problem(), self._start_method, 1)
         self.comm_stats = CommStats()
         self.data_position = DataPosition()
         self.last_metrics: dict[str, float] = {}
@@ -241,7 +254,11 @@ class HierStrategy(ParallelStrategy):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         self._check_layout()  # in the main process, before any rank starts
-        if self._start_method == "popen":
+        if self.fault_tolerance is not None:
+            self.fault_tolerance.check(type(self).__name__, None, self._start_method, self.num_nodes)
+            grace_s = min(END_GRACE_S, self.guard.timeout_s())
+            self._launcher = ElasticLauncher(self, self._start_method, grace_s=grace_s, check=self.check_fit_arguments)
+        elif self._start_method == "popen":
             env = self.cluster_environment
             self._launcher = _CheckedScriptLauncher(self.check_fit_arguments, env, self.num_processes, self.num_nodes)
         else:
@@ -261,6 +278,10 @@ class HierStrategy(ParallelStrategy):
         super().setup_environment()
         self.set_world_ranks()
         assert self.cluster_environment is not None
+        if self.fault_tolerance is not None:
+            if self._groups is None:  # no failure board: its watchdog would end the survivors of a failure
+                self.fault_tolerance.connect(self, self._init_timeout)
+            return
         if not dist.is_initialized():
             os.environ["MASTER_ADDR"] = self.cluster_environment.main_address
             os.environ["MASTER_PORT"] = str(self.cluster_environment.main_port)
@@ -346,7 +367,7 @@ class HierStrategy(ParallelStrategy):
         binding = self._binding
         assert binding is not None
         binding.optimizers = list(self.optimizers)
-        if not self.sync.lock_step:
+        if not self.sync.lock_step or self.fault_tolerance is not None:
             # Lightning's per-step SIGTERM-flag broadcast would hold the ranks together every step (an
             # asynchronous worker in lock-step; an overlapped window waiting behind it); the rule's own
             # collectives keep them together, and a signalled rank still stops (see _step_sync)
@@ -354,6 +375,9 @@ class HierStrategy(ParallelStrategy):
         if not self.allocation.equal_steps:
             check_shared_trainer(type(self).__name__, trainer)  # before any claim
         self.sync.bind(binding)
+        if self.fault_tolerance is not None:
+            self.fault_tolerance.attach(self)
+            self.fault_tolerance.install(trainer)
 
     def _apply_restored_state(self) -> None:
         """Apply this rank's saved state of every object (the RNG waits for ``on_train_start``)."""
@@ -372,6 +396,9 @@ class HierStrategy(ParallelStrategy):
         """Make every rank start from rank 0's weights (DDP does this in its constructor)."""
         assert self.lightning_module is not None
         tensors = list(self.lightning_module.parameters()) + list(self.lightning_module.buffers())
+        if self.fault_tolerance is not None:
+            self.fault_tolerance.broadcast_initial([t.data for t in tensors])
+            return
         with torch.no_grad():
             broadcast_([t.data for t in tensors], src=0, group=dist.group.WORLD)
 
@@ -462,6 +489,8 @@ class HierStrategy(ParallelStrategy):
     def on_train_end(self) -> None:
         super().on_train_end()
         self.finish_training()  # a no-op unless a stop came that FinishFit did not predict
+        if self.fault_tolerance is not None:
+            self.fault_tolerance.finish()
         self.sync.pause()
         warn_if_not_finite(self.lightning_module, type(self).__name__, self.global_rank)
 
@@ -540,6 +569,8 @@ class HierStrategy(ParallelStrategy):
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The consensus model: what ``trainer.save_checkpoint`` stores as ``state_dict``."""
         assert self.lightning_module is not None
+        if self.fault_tolerance is not None and self.fault_tolerance.donating:
+            return ckpt.detach_state(self.lightning_module.state_dict())  # right after a round: the consensus
         with self.sync.consensus():
             return ckpt.detach_state(self.lightning_module.state_dict())
 
@@ -552,7 +583,7 @@ class HierStrategy(ParallelStrategy):
         """
         filepath = self.broadcast(filepath)
         states = None
-        if "optimizer_states" in checkpoint:  # not weights_only
+        if "optimizer_states" in checkpoint and self.fault_tolerance is None:  # not weights_only
             with self._replicas_in_place():
                 states = _checkpointing.gather_rank_states(self._rank_state(checkpoint))
         if not self.is_global_zero:
@@ -600,6 +631,10 @@ class HierStrategy(ParallelStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         path = str(checkpoint_path)
+        if path == LIVE_CHECKPOINT and self.fault_tolerance is not None:  # a restarted replica: a peer's state
+            checkpoint = self.fault_tolerance.live_checkpoint()
+            self._restored = checkpoint.pop(LIVE_STATE_KEY)
+            return checkpoint
         load = super().load_checkpoint
         checkpoint = read_checkpoint(path, lambda: load(path, weights_only))
         module = self.lightning_module

@@ -43,7 +43,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_hier import _validate as v
-from lightning_hier.algorithms.averaging import PeriodicAveraging, float_buffers
+from lightning_hier.algorithms.averaging import PeriodicAveraging, RoundGuard, float_buffers
 from lightning_hier.algorithms.centers import CenterPolicy, ElasticCenter, LeaderCenter, RoundReport, UniformCenter
 from lightning_hier.algorithms.claim_sampler import ClaimQueue
 from lightning_hier.algorithms.dbs_compose import SampleWeightedCenter
@@ -59,7 +59,7 @@ from lightning_hier.sync.buckets import bucket_bytes, check_bucket_options
 from lightning_hier.sync.dbs_compose import SampleWeights
 from lightning_hier.sync.levels import Levels
 from lightning_hier.sync.shared_queue import fetched_before_setup
-from lightning_hier.topology import Topology
+from lightning_hier.topology import ProcessGroups, Topology
 
 ROUNDS = ("sync", "async")
 SERVER_KEY = "server"
@@ -253,6 +253,29 @@ class AveragingSync(Sync):
             self.weights.reset()
         if self.rounds == "async" and self.algorithms:
             self._start_server(binding, self.algorithms[0])
+
+    @override
+    def fault_tolerance_problem(self) -> str | None:
+        if self.rounds == "async":
+            return "rounds='async' keeps every replica on a server in rank 0's process"
+        if self.levels.enabled:
+            return "two-level rounds keep groups per node; fault tolerance is for one flat group"
+        if self.weights is not None:
+            return "DBS's sample weights follow every rank's share"
+        policy = self.policy()
+        if isinstance(policy, ElasticCenter):
+            return "EASGD's pull alpha = beta / W is fixed by the number of replicas at the start"
+        if isinstance(policy, LeaderCenter):
+            return "LSGD's leader is broadcast by its rank in the job's default group, which a live group is not"
+        return None
+
+    @override
+    def regroup(self, groups: ProcessGroups, guard: RoundGuard) -> None:
+        assert self._binding is not None
+        self._binding.groups = groups
+        for algorithm in self.algorithms:
+            algorithm.regroup(self.levels.periodic_group(groups))
+            algorithm.guard = guard
 
     def _new_policy(self) -> CenterPolicy:
         policy = self.policy()

@@ -135,6 +135,19 @@ class Sync:
     def check_layout(self, topology: Topology) -> None:
         """Raise a ``ValueError`` when this rule cannot run on ``topology`` (before any rank starts, and at set-up)."""
 
+    def fault_tolerance_problem(self) -> str | None:
+        """Why this rule cannot keep training when a replica fails (``None``: it can; see :meth:`regroup`)."""
+        return "its replicas meet at every step or hold state that no round carries, so a lost replica stops the run"
+
+    def regroup(self, groups: ProcessGroups, guard: Any) -> None:
+        """Run over ``groups`` from now on, each round through ``guard`` (a fault-tolerant run; every member calls it).
+
+        Args:
+            groups: The process groups of the live replicas.
+            guard: A :class:`~lightning_hier.algorithms.averaging.RoundGuard`.
+        """
+        raise NotImplementedError(f"{self.owner}: {self.fault_tolerance_problem()}.")
+
     def bind(self, binding: Binding) -> None:
         """Build the algorithm(s) over ``binding`` (a collective when it builds groups)."""
 

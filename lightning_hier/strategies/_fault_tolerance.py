@@ -1,0 +1,354 @@
+"""Keep training when a replica fails: the fault-tolerant mode of the periodic strategies (:class:`FaultTolerance`).
+
+One more object the adapter holds (``HierStrategy(fault_tolerance=...)``, or ``fault_tolerance=True``
+on ``localsgd`` and the GRAWA family). Without it nothing changes: the fail-fast behaviour of
+``docs/guide/failures.md``. With it, each rank is a *replica* that may die and come back:
+
+- **Where agreement lives.** The fork / spawn launcher hosts a coordination store in the main
+  process (:class:`~lightning_hier.strategies._elastic_launcher.ElasticLauncher`), so no replica
+  holds it; each replica beats on it (:mod:`lightning_hier.comm.membership`).
+- **Rounds.** Before every collective of the rule (a round, a consensus for validation, the final
+  round) the replicas agree on who is alive; if that changed, the default process group is built
+  again among the live replicas (members in replica order) and the rule's groups from it. The
+  round then averages over the live replicas (GRAWA's weights over the live ones). A replica that
+  dies during the round's collectives never votes to commit it, so the survivors put their
+  replicas and the rule's state back as they were before the round and run it again without it:
+  the dead replica's steps since the previous round are lost, nothing else.
+- **Joining.** The launcher restarts a dead replica (up to ``max_restarts`` times each). It asks to
+  join; the next round admits it: after that round's step, the lowest live replica sends it, over
+  the network, what a checkpoint at that point would hold (its model, optimizer state, the rule's
+  state, the loop's counters and data position, callbacks' state); the joiner's fit restores it
+  as if resuming from a checkpoint taken there, and trains on from the next batch.
+- **Data.** Each replica keeps its own shard of every epoch. The batches of a dead replica's shard
+  between its death and its return are not trained (skipped, as torchft does); the joiner
+  resumes its shard at the position of the replica that sent it the state.
+- **Lightning's collectives** during fit (``self.log(..., sync_dist=True)``, barriers, broadcasts)
+  run over the live replicas; one that fails because a replica died returns this replica's own
+  value (the next round rebuilds the group) instead of failing the fit.
+
+What it does not cover: rank 0 hosting the progress bar, loggers and checkpoint files is the
+replica with identity 0; while it is down, nothing is logged or written (the others train on).
+Checkpoints of a fault-tolerant run hold the consensus model and replica 0's own state for
+every rank (resume is not bit-identical).
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
+
+from lightning_hier import _validate as v
+from lightning_hier.comm import is_communication_error
+from lightning_hier.comm.membership import Decision, JoinRefused, Membership, exit_excluded, replica_store
+from lightning_hier.rng import capture_rng
+from lightning_hier.topology import ProcessGroups, Topology
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+    from lightning_hier.algorithms.averaging import PeriodicAveraging
+    from lightning_hier.strategies.adapter import HierStrategy
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+LIVE_CHECKPOINT = "lightning_hier:live-replica"
+"""The ``ckpt_path`` a restarted replica's fit is given: its state comes from a live peer, not a file."""
+LIVE_STATE_KEY = "lightning_hier_live"
+"""Where the sent checkpoint holds the sender's own state (the adapter's per-rank state)."""
+POINT_KEY = "lightning_hier_point"
+"""Where the sent checkpoint holds the sequence number of the next synchronisation point."""
+START_METHODS = ("spawn", "fork")
+
+
+@dataclass
+class FaultTolerance:
+    """Opt-in fault tolerance of a periodic strategy (see the module docstring).
+
+    Args:
+        max_restarts: How many times the launcher restarts each replica (0: a dead replica stays
+            dead and the others finish without it).
+        heartbeat_s: Seconds between two heartbeats of a replica.
+        dead_after_s: Seconds without a heartbeat after which a replica counts as dead. A replica
+            that still beats but does not reach a round (hung) is dropped after the strategy's
+            ``timeout``.
+
+    Example:
+        >>> from lightning_hier.strategies import FaultTolerance, LocalSGDStrategy
+        >>> strategy = LocalSGDStrategy(tau=8, start_method="fork", fault_tolerance=FaultTolerance(max_restarts=5))
+    """
+
+    max_restarts: int = 3
+    heartbeat_s: float = 0.2
+    dead_after_s: float = 2.0
+    # set by the launcher before each replica starts (copied into it by fork, pickled by spawn)
+    store_port: int = field(default=0, repr=False)
+    store_prefix: str = field(default="", repr=False)
+    incarnation: int = field(default=0, repr=False)
+    # this replica's runtime state
+    membership: Membership | None = field(default=None, init=False, repr=False)
+    _strategy: HierStrategy | None = field(default=None, init=False, repr=False)
+    _point: int = field(default=0, init=False, repr=False)  # the next synchronisation point's number (all agree)
+    _expected: tuple[int, ...] = field(default=(), init=False, repr=False)  # who should arrive there
+    _admitted: Decision | None = field(default=None, init=False, repr=False)  # joiners of the last round
+    received: dict[str, Any] | None = field(default=None, init=False, repr=False)
+    donating: bool = field(default=False, init=False, repr=False)
+    groups: ProcessGroups | None = field(default=None, init=False, repr=False)
+    """The live replicas' groups (the rule's), after :meth:`connect`."""
+
+    def __post_init__(self) -> None:
+        owner = "FaultTolerance"
+        self.max_restarts = v.check_int(owner, "max_restarts", self.max_restarts, minimum=0)
+        self.heartbeat_s = v.check_float(owner, "heartbeat_s", self.heartbeat_s, low=0.01, high=60.0)
+        self.dead_after_s = v.check_float(
+            owner, "dead_after_s", self.dead_after_s, low=2 * self.heartbeat_s, high=3600.0
+        )
+
+    @staticmethod
+    def of(owner: str, value: FaultTolerance | Mapping[str, Any] | bool | None) -> FaultTolerance | None:
+        """The strategy argument: an object, its arguments (Hydra), ``True`` (the defaults) or ``False`` / ``None``."""
+        if isinstance(value, FaultTolerance):
+            return value
+        if isinstance(value, Mapping) and value:
+            return FaultTolerance(**{str(k): v for k, v in value.items()})
+        if value is None or value is False:
+            return None
+        if value is True:
+            return FaultTolerance()
+        raise ValueError(
+            f"{owner}: argument `fault_tolerance` must be a FaultTolerance, a mapping of its arguments, True or False, "
+            f"got {value!r}."
+        )
+
+    def check(self, owner: str, problem: str | None, start_method: str, num_nodes: int) -> None:
+        """Refuse, before any rank starts, what the fault-tolerant mode cannot run."""
+        if problem is not None:
+            raise ValueError(f"{owner}: argument `fault_tolerance` cannot be used here: {problem}.")
+        if start_method not in START_METHODS:
+            raise ValueError(
+                f"{owner}: argument `fault_tolerance` needs start_method in {START_METHODS} (its launcher restarts "
+                f"failed replicas and hosts their coordination store), got start_method={start_method!r}."
+            )
+        if num_nodes != 1:
+            raise ValueError(
+                f"{owner}: argument `fault_tolerance` runs on one node (num_nodes=1), got num_nodes={num_nodes}."
+            )
+
+    # ------------------------------------------------------------------ start
+    def connect(self, strategy: HierStrategy, init_timeout: timedelta) -> None:
+        """Join the job (``setup_environment``): every replica at the start, or a restarted one through a peer."""
+        self._strategy = strategy
+        assert strategy.cluster_environment is not None
+        address = strategy.cluster_environment.main_address
+        replicas = strategy.world_size
+        store = replica_store(address, self.store_port, self.store_prefix, init_timeout)
+        membership = Membership(
+            store,
+            strategy.global_rank,
+            replicas,
+            strategy._timeout,
+            heartbeat_s=self.heartbeat_s,
+            dead_after_s=self.dead_after_s,
+        )
+        self.membership = membership
+        # the default group is this replica alone (see Membership.form_world); the rule's group is the live world
+        dist.init_process_group(strategy.process_group_backend, store=dist.HashStore(), rank=0, world_size=1)
+        strategy._groups = Topology(world_size=1).build(0)
+        beats = replica_store(address, self.store_port, self.store_prefix, init_timeout)
+        if self.incarnation == 0:
+            membership.start(beats)
+            start = membership.agree("start", tuple(range(replicas)), admit=False, wait_s=init_timeout.total_seconds())
+            self._form(start.members, "start", regroup=False)
+            self._expected = start.members
+            return
+        membership.ask_to_join(self.incarnation)
+        membership.start(beats)
+        try:
+            decision = membership.wait_admission(self.incarnation, init_timeout.total_seconds())
+        except JoinRefused as err:
+            raise RuntimeError(f"lightning_hier: replica {membership.replica} could not rejoin: {err}.") from err
+        self._form(decision.world, f"{decision.point}/admit", regroup=False)
+        payload = _receive_bytes(0, self._live_groups().data)  # from the lowest live replica, a peer of this job
+        self.received = torch.load(io.BytesIO(payload), weights_only=False)
+        self._point = int(self.received.pop(POINT_KEY))
+        self._expected = decision.world
+        log.info("lightning_hier: replica %d rejoined at point %d", membership.replica, self._point)
+
+    def live_checkpoint(self) -> dict[str, Any]:
+        """The checkpoint a restarted replica received (its fit loads it instead of a file)."""
+        if self.received is None:
+            raise RuntimeError(f"lightning_hier: {LIVE_CHECKPOINT!r} is only a ckpt_path of a restarted replica.")
+        checkpoint, self.received = self.received, None
+        state = checkpoint.pop(LIVE_STATE_KEY)
+        state["rng"] = capture_rng()  # its own random stream: a copy of the sender's would repeat its dropout
+        checkpoint[LIVE_STATE_KEY] = state
+        return checkpoint
+
+    # ------------------------------------------------------------------ the rounds (RoundGuard)
+    def run(self, algorithm: PeriodicAveraging, collective: Callable[[], T], admit: bool) -> T:
+        """Run one of the rule's collectives over the live replicas (see the module docstring)."""
+        membership = self._require()
+        attempt = 0
+        while True:
+            point = f"{self._point}.{attempt}"
+            decision = membership.agree(point, self._expected, admit=admit)
+            if membership.replica not in decision.members:
+                exit_excluded(membership.replica, point)
+            if decision.members != membership.world:
+                self._form(decision.members, point)
+            before = _snapshot(algorithm)
+            try:
+                output = collective()
+                ok = True
+            except Exception as err:
+                if not _lost_peer(err):
+                    raise  # a bug, not a failure of a replica: the peers see this replica die and go on
+                ok = False
+            if membership.vote(point, ok, decision.members):
+                self._point += 1
+                self._expected = decision.world
+                if decision.joiners:
+                    self._admitted = decision
+                    if membership.replica == decision.members[0]:
+                        membership.admit(decision)  # only now: an undone round's joiners wait for the next
+                return output
+            _restore(algorithm, before)
+            membership.events.append({"point": point, "undone": True})
+            log.warning("lightning_hier: replica %d: %s undone (a replica failed during it)", membership.replica, point)
+            attempt += 1
+
+    def _form(self, world: tuple[int, ...], point: str, regroup: bool = True) -> None:
+        """Make ``world`` the live group (every replica in it calls this); the rule runs over it."""
+        group = self._require().form_world(world, point)
+        topology = Topology(world_size=len(world))
+        rank = world.index(self._require().replica)
+        self.groups = ProcessGroups(topology, rank, topology.coords(rank), group, None, None, group, group, None)
+        if regroup:
+            assert self._strategy is not None
+            self._strategy.sync.regroup(self.groups, self)
+
+    def attach(self, strategy: HierStrategy) -> None:
+        """The rule is bound: run its rounds over the live group, through this object, from now on."""
+        strategy.sync.regroup(self._live_groups(), self)
+
+    def broadcast_initial(self, tensors: list[torch.Tensor]) -> None:
+        """Every replica starts from replica 0's weights (as DDP's constructor does)."""
+        group = self._live_groups().data
+        with torch.no_grad():
+            for tensor in tensors:
+                dist.broadcast(tensor, group_src=0, group=group)
+
+    def _live_groups(self) -> ProcessGroups:
+        if self.groups is None:
+            raise RuntimeError("FaultTolerance: no live group yet (the strategy connects it in setup_environment).")
+        return self.groups
+
+    # ------------------------------------------------------------------ a joiner's state
+    def donate(self, trainer: pl.Trainer) -> None:
+        """After the step of a round that admitted replicas: send them the state (every live replica calls it)."""
+        admitted, self._admitted = self._admitted, None
+        if admitted is None:
+            return
+        membership = self._require()
+        self._form(admitted.world, f"{admitted.point}/admit")
+        if membership.replica != admitted.members[0]:
+            return  # the lowest live replica sends; the others go on
+        strategy = self._strategy
+        assert strategy is not None
+        started = time.monotonic()
+        self.donating = True  # the replica itself, not a consensus: right after the round they are equal
+        try:
+            checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+            checkpoint[LIVE_STATE_KEY] = strategy._rank_state(checkpoint)
+            checkpoint[POINT_KEY] = self._point
+        finally:
+            self.donating = False
+        buffer = io.BytesIO()
+        torch.save(checkpoint, buffer)
+        for rank in range(len(admitted.members), len(admitted.world)):
+            _send_bytes(buffer.getvalue(), rank, self._live_groups().data)
+        log.info(
+            "lightning_hier: replica %d sent its state (%d bytes) to %s in %.3f s",
+            membership.replica,
+            buffer.tell(),
+            list(admitted.joiners),
+            time.monotonic() - started,
+        )
+
+    # ------------------------------------------------------------------ the end
+    def finish(self) -> None:
+        """Training is over on this replica."""
+        if self.membership is not None:
+            self.membership.finished()
+            self.membership.stop()
+
+    def install(self, trainer: pl.Trainer) -> None:
+        """Add the callback that sends the state to admitted replicas (after every other callback's batch end)."""
+        callbacks: list[Any] = trainer.callbacks  # type: ignore[attr-defined]
+        if not any(isinstance(c, _SendState) for c in callbacks):
+            callbacks.append(_SendState())
+
+    def _require(self) -> Membership:
+        if self.membership is None:
+            raise RuntimeError("FaultTolerance: not connected (the strategy connects it in setup_environment).")
+        return self.membership
+
+
+class _SendState(Callback):
+    """At a batch's end (where checkpoints of a step are taken), the state goes to replicas admitted in its round."""
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        fault = getattr(trainer.strategy, "fault_tolerance", None)
+        if isinstance(fault, FaultTolerance):
+            fault.donate(trainer)
+
+
+# ---------------------------------------------------------------------------------- helpers
+def _lost_peer(err: BaseException) -> bool:
+    """Whether a collective failed because a replica was lost.
+
+    On a group made outside the default one, torch's c10d logger raises a ``ValueError`` (it cannot
+    name the group) while handling the collective's own error, which is then the context.
+    """
+    return is_communication_error(err) or (err.__context__ is not None and is_communication_error(err.__context__))
+
+
+def _snapshot(algorithm: PeriodicAveraging) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    flats = [algorithm.flat, *([algorithm.flat_buffers] if algorithm.flat_buffers is not None else [])]
+    return copy.deepcopy(algorithm.state_dict()), [b.clone() for f in flats for b in f.buckets]
+
+
+def _restore(algorithm: PeriodicAveraging, snapshot: tuple[dict[str, Any], list[torch.Tensor]]) -> None:
+    state, tensors = snapshot
+    flats = [algorithm.flat, *([algorithm.flat_buffers] if algorithm.flat_buffers is not None else [])]
+    for bucket, saved in zip([b for f in flats for b in f.buckets], tensors, strict=True):
+        bucket.copy_(saved)
+    algorithm.load_state_dict(state)
+
+
+def _send_bytes(payload: bytes, dst: int, group: dist.ProcessGroup | None) -> None:
+    assert group is not None
+    size = torch.tensor([len(payload)], dtype=torch.int64)
+    group.send([size], dst, 0).wait()
+    group.send([torch.frombuffer(bytearray(payload), dtype=torch.uint8)], dst, 1).wait()
+
+
+def _receive_bytes(src: int, group: dist.ProcessGroup | None) -> bytes:
+    assert group is not None
+    size = torch.empty(1, dtype=torch.int64)
+    group.recv([size], src, 0).wait()
+    payload = torch.empty(int(size.item()), dtype=torch.uint8)
+    group.recv([payload], src, 1).wait()
+    return payload.numpy().tobytes()

@@ -1,0 +1,93 @@
+"""Single-process reference of fault-tolerant Local SGD: the replicas, rounds and joins of a membership sequence.
+
+The sequence is what a run logged (one replica's ``Membership.events``): at round ``p`` the world
+is the last one formed at a point numbered ``p`` or before; a replica that joined after round
+``p`` starts from the state of that round's lowest member (its model and optimizer state) and
+trains on from the next step at the same position of its own shard. A replica killed after
+``k`` steps trains steps ``1..k`` only (its work since its last round is lost).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor, nn
+
+
+def rounds_of(events: Sequence[dict[str, object]]) -> tuple[dict[int, tuple[int, ...]], dict[int, tuple[int, ...]]]:
+    """``(worlds, joins)``: the world of each round whose world changed, the replicas joining after each round."""
+    worlds: dict[int, tuple[int, ...]] = {}
+    joins: dict[int, tuple[int, ...]] = {}
+    for event in events:
+        point = str(event["point"])
+        if point == "start" or "undone" in event:
+            continue
+        index = int(point.split(".")[0])
+        if point.endswith("/admit"):
+            joins[index] = tuple(event["joined"])  # type: ignore[arg-type]
+        else:
+            worlds[index] = tuple(event["world"])  # type: ignore[arg-type]
+    return worlds, joins
+
+
+def simulate(
+    make_model: Callable[[], nn.Module],
+    make_optimizer: Callable[[nn.Module], torch.optim.Optimizer],
+    batches: Callable[[int, int, int], tuple[Tensor, Tensor]],
+    replicas: int,
+    tau: int,
+    steps_per_epoch: int,
+    epochs: int,
+    events: Sequence[dict[str, object]],
+    killed: dict[int, int],
+) -> list[nn.Module]:
+    """The replicas after training, one per identity (a dead one as it was when it died).
+
+    Args:
+        make_model: Builds the (identical) initial model.
+        make_optimizer: The optimizer of a model.
+        batches: ``(replica, epoch, index) -> (x, y)``, the batch of that replica's shard.
+        replicas: How many replicas start.
+        tau: Rounds every ``tau`` steps.
+        steps_per_epoch: Batches per epoch of each shard.
+        epochs: Epochs.
+        events: The membership sequence a run logged.
+        killed: ``replica -> k``: the replica died after ``k`` steps.
+    """
+    models = [make_model() for _ in range(replicas)]
+    optimizers = [make_optimizer(m) for m in models]
+    worlds, joins = rounds_of(events)
+    world = tuple(range(replicas))
+    training = set(world)
+    for step in range(1, steps_per_epoch * epochs + 1):
+        epoch, index = divmod(step - 1, steps_per_epoch)
+        for r in sorted(training):
+            if r in killed and step > killed[r]:
+                training.discard(r)
+                continue
+            x, y = batches(r, epoch, index)
+            optimizers[r].zero_grad()
+            nn.functional.cross_entropy(models[r](x), y).backward()
+            optimizers[r].step()
+        if step % tau:
+            continue
+        point = step // tau - 1
+        world = worlds.get(point, world)
+        training &= set(world)
+        with torch.no_grad():
+            params = [list(models[r].parameters()) for r in world]
+            for tensors in zip(*params, strict=True):
+                mean = torch.stack([t for t in tensors]).mean(0)
+                for t in tensors:
+                    t.copy_(mean)
+        for joiner in joins.get(point, ()):
+            donor = world[0]
+            models[joiner] = copy.deepcopy(models[donor])
+            optimizers[joiner] = make_optimizer(models[joiner])
+            optimizers[joiner].load_state_dict(copy.deepcopy(optimizers[donor].state_dict()))
+            killed.pop(joiner, None)
+            world = (*world, joiner)
+            training.add(joiner)
+    return models

@@ -1,0 +1,147 @@
+"""Fault-tolerant Local SGD under a real Trainer: ``kill -9`` of a replica, the others go on, a restart rejoins.
+
+Three forked replicas over gloo; replica 1 kills itself (SIGKILL) after a chosen number of steps.
+The final model must equal the single-process reference of the membership sequence the run
+logged (:mod:`tests.fault_tolerance_reference`) to 1e-6, and every replica must end equal.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from lightning_hier.strategies import FaultTolerance, HPSGDStrategy, LocalSGDStrategy
+from tests.fault_tolerance_reference import simulate
+from tests.helpers import flat_params, trainer
+
+REPLICAS, SAMPLES, FEATURES, CLASSES, BATCH, TAU, EPOCHS = 3, 240, 6, 3, 8, 4, 2
+STEPS_PER_EPOCH = SAMPLES // REPLICAS // BATCH  # 10
+
+
+def _data() -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(SAMPLES, FEATURES, generator=g)
+    return TensorDataset(x, (x[:, :CLASSES].argmax(1)))
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(FEATURES, 16), nn.Tanh(), nn.Linear(16, CLASSES))
+
+
+def _optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True)
+
+
+class _Net(pl.LightningModule):
+    """A user's module (its network under ``body``) that kills its own replica after ``kill_after`` steps."""
+
+    def __init__(self, kill_replica: int, kill_after: int, in_round: bool = False) -> None:
+        super().__init__()
+        self.body = _model()
+        self.kill_replica, self.kill_after, self.in_round = kill_replica, kill_after, in_round
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        fault = self.trainer.strategy.fault_tolerance
+        doomed = self.global_rank == self.kill_replica and fault is not None and fault.incarnation == 0
+        if doomed and self.in_round and self.trainer.global_step == self.kill_after - 1:
+            # step kill_after ends with a round: the replica arrives, is counted in, and dies in its collective
+            self.trainer.strategy.sync.algorithm.sync = lambda *_: os.kill(os.getpid(), signal.SIGKILL)
+        elif doomed and not self.in_round and self.trainer.global_step == self.kill_after:
+            os.kill(os.getpid(), signal.SIGKILL)
+        x, y = batch
+        loss = nn.functional.cross_entropy(self.body(x), y)
+        self.log("loss", loss, sync_dist=True)  # Lightning's collective: this replica's own value
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return _optimizer(self.body)
+
+
+class _Record(Callback):
+    """Each replica's final parameters and membership events, one file per replica."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        fault = trainer.strategy.fault_tolerance
+        events = fault.membership.events if fault.membership is not None else []
+        torch.save(flat_params(pl_module), self.out / f"replica{trainer.global_rank}.pt")
+        (self.out / f"events{trainer.global_rank}.json").write_text(json.dumps(events))
+
+
+def _fit(tmp_path: Path, kill_after: int, max_restarts: int, in_round: bool = False) -> _Net:
+    module = _Net(kill_replica=1, kill_after=kill_after, in_round=in_round)
+    fault = FaultTolerance(max_restarts=max_restarts, dead_after_s=1.0)
+    strategy = LocalSGDStrategy(tau=TAU, start_method="fork", timeout=60, fault_tolerance=fault)
+    t = trainer(strategy=strategy, devices=REPLICAS, max_epochs=EPOCHS, callbacks=[_Record(tmp_path)])
+    t.fit(module, DataLoader(_data(), batch_size=BATCH))
+    return module
+
+
+def _shard_batch(replica: int, epoch: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    data = _data()
+    sampler = DistributedSampler(data, num_replicas=REPLICAS, rank=replica, shuffle=True, seed=0)  # Lightning's
+    sampler.set_epoch(epoch)
+    rows = list(sampler)[index * BATCH : (index + 1) * BATCH]
+    return data.tensors[0][rows], data.tensors[1][rows]
+
+
+def _reference(events: list[dict[str, object]], killed: dict[int, int]) -> list[torch.Tensor]:
+    models = simulate(_model, _optimizer, _shard_batch, REPLICAS, TAU, STEPS_PER_EPOCH, EPOCHS, events, killed)
+    return [flat_params(m) for m in models]
+
+
+@pytest.mark.parametrize("kill_after", [6, 9])
+def test_a_killed_replica_restarts_rejoins_and_the_model_equals_the_reference(tmp_path, kill_after):
+    module = _fit(tmp_path, kill_after=kill_after, max_restarts=1)
+    events = json.loads((tmp_path / "events0.json").read_text())
+    left = [e for e in events if e.get("left")]
+    joined = [e for e in events if e.get("joined")]
+    assert [e["left"] for e in left] == [[1]] and [e["joined"] for e in joined] == [[1]], events
+    ends = [torch.load(tmp_path / f"replica{r}.pt", weights_only=True) for r in range(REPLICAS)]
+    for end in ends[1:]:
+        torch.testing.assert_close(end, ends[0], rtol=0, atol=1e-6)  # the restarted replica ends equal too
+    reference = _reference(events, killed={1: kill_after})
+    torch.testing.assert_close(flat_params(module.body), reference[0], rtol=0, atol=1e-6)
+    assert not torch.equal(reference[0], _reference([], killed={})[0])  # the failure changed the result
+
+
+def test_a_replica_killed_inside_a_round_has_the_round_undone_and_run_again_without_it(tmp_path):
+    module = _fit(tmp_path, kill_after=8, max_restarts=1, in_round=True)
+    events = json.loads((tmp_path / "events0.json").read_text())
+    assert {"point": "1.0", "undone": True} in events  # the round of step 8 failed in its all-reduce
+    assert next(e for e in events if e.get("left"))["point"] == "1.1"  # and ran again without replica 1
+    reference = _reference(events, killed={1: 8})
+    torch.testing.assert_close(flat_params(module.body), reference[0], rtol=0, atol=1e-6)
+
+
+def test_without_restarts_the_others_finish_without_the_dead_replica(tmp_path):
+    module = _fit(tmp_path, kill_after=5, max_restarts=0)
+    events = json.loads((tmp_path / "events0.json").read_text())
+    assert [e["left"] for e in events if e.get("left")] == [[1]]
+    assert not any(e.get("joined") for e in events)
+    assert not (tmp_path / "replica1.pt").exists()
+    reference = _reference(events, killed={1: 5})
+    torch.testing.assert_close(flat_params(module.body), reference[0], rtol=0, atol=1e-6)
+
+
+def test_bad_fault_tolerance_arguments_are_refused_before_any_process_starts():
+    with pytest.raises(ValueError, match=r"fault_tolerance.*start_method.*'popen'"):
+        LocalSGDStrategy(fault_tolerance=True)
+    with pytest.raises(ValueError, match=r"HPSGDStrategy: argument `fault_tolerance` cannot be used here"):
+        HPSGDStrategy(start_method="fork", fault_tolerance=True)
+    with pytest.raises(ValueError, match=r"max_restarts"):
+        FaultTolerance(max_restarts=-1)
+    with pytest.raises(ValueError, match=r"fault_tolerance.*'yes'"):
+        LocalSGDStrategy(start_method="fork", fault_tolerance="yes")
