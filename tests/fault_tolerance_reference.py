@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor, nn
+from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 
 def rounds_of(events: Sequence[dict[str, object]]) -> tuple[dict[int, tuple[int, ...]], dict[int, tuple[int, ...]]]:
@@ -91,3 +92,90 @@ def simulate(
             world = (*world, joiner)
             training.add(joiner)
     return models
+
+
+def simulate_hpsgd(
+    make_model: Callable[[], nn.Module],
+    make_optimizer: Callable[[nn.Module], torch.optim.Optimizer],
+    batches: Callable[[int, int, int], tuple[Tensor, Tensor]],
+    replicas: int,
+    window: int,
+    steps_per_epoch: int,
+    epochs: int,
+    leaves: dict[int, tuple[int, ...]],
+    joins: dict[int, tuple[int, ...]],
+    killed: dict[int, int],
+) -> Tensor:
+    """The model after fault-tolerant HPSGD (merge='eager', outer step 1, no compression), as a flat vector.
+
+    Written from HPSGD's recurrence (Zhou et al., arXiv 2009.02701, with the eager merge): each
+    replica keeps ``x``, its window start ``V`` and its optimizer; the global model ``S`` advances
+    by the in-flight sum ``F`` over its count ``n``. A window launches at step 1 and every
+    ``window`` steps after; at a merge: ``d = x - V``; ``S += F / n``; ``x = S + d``; ``V = x``;
+    launch ``d``. The fault-tolerance rules:
+
+    - ``leaves[s]``: the world of the merge at step ``s`` is these replicas; the window in flight
+      is summed again among them (each one's own change as it sent it), ``n = |survivors|``;
+    - ``joins[s]``: after step ``s`` the window just launched is finished among its members, and
+      each joiner takes the state of the lowest member (``x``, ``V``, ``S``, ``F``, ``n``, optimizer);
+    - ``killed[r] = k``: replica ``r`` trained steps ``1..k`` only.
+    At the end (a partial window), the in-flight window merges and the steps since it are summed
+    and merged at once; the result is ``S``.
+    """
+    models = [make_model() for _ in range(replicas)]
+    optimizers = [make_optimizer(m) for m in models]
+
+    def flat(r: int) -> Tensor:
+        return parameters_to_vector(models[r].parameters()).detach().clone()
+
+    def load(r: int, vector: Tensor) -> None:
+        vector_to_parameters(vector.clone(), models[r].parameters())
+
+    world = list(range(replicas))
+    S = flat(0)
+    V: dict[int, Tensor] = {}
+    sent: dict[int, Tensor] = {}
+    F, n, launch_world, settled = torch.zeros_like(S), 1, list(world), False
+    total = steps_per_epoch * epochs
+    since = 0
+    for step in range(1, total + 1):
+        epoch, index = divmod(step - 1, steps_per_epoch)
+        for r in list(world):
+            if r in killed and step > killed[r]:
+                continue
+            x, y = batches(r, epoch, index)
+            optimizers[r].zero_grad()
+            nn.functional.cross_entropy(models[r](x), y).backward()
+            optimizers[r].step()
+        since += 1
+        if step == 1:
+            for r in world:
+                sent[r] = flat(r) - S
+                V[r] = flat(r)
+            F, n, launch_world, since = sum(sent[r] for r in world), len(world), list(world), 0
+        elif since == window:
+            if step in leaves:
+                world = list(leaves[step])
+            if world != launch_world and not settled:  # a replica was lost while its window was in flight
+                F, n = sum(sent[r] for r in world), len(world)
+            S = S + F / n
+            for r in world:
+                d = flat(r) - V[r]
+                load(r, S + d)
+                V[r] = flat(r)
+                sent[r] = d
+            F, n, launch_world, since = sum(sent[r] for r in world), len(world), list(world), 0
+            settled = False
+        for joiner in joins.get(step, ()):
+            donor = world[0]
+            load(joiner, flat(donor))
+            V[joiner] = V[donor].clone()
+            optimizers[joiner] = make_optimizer(models[joiner])
+            optimizers[joiner].load_state_dict(copy.deepcopy(optimizers[donor].state_dict()))
+            killed.pop(joiner, None)
+            world.append(joiner)
+            settled = True  # the window in flight was finished among its members before the join
+    S = S + F / n
+    if since:
+        S = S + sum(flat(r) - V[r] for r in world) / len(world)
+    return S

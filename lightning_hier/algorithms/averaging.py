@@ -35,9 +35,10 @@ Pure torch, usable from a plain training loop::
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -53,9 +54,12 @@ from lightning_hier.algorithms.centers import (
 )
 from lightning_hier.algorithms.grawa import grad_norms
 from lightning_hier.algorithms.periodic_schedule import PeriodicSchedule
+from lightning_hier.algorithms.round_guard import RoundGuard
 from lightning_hier.algorithms.two_level import LevelRounds
 from lightning_hier.comm import CommStats, FlatTensors, all_reduce_mean_, all_reduce_sum_, group_size
 from lightning_hier.comm.collectives import Group
+
+T = TypeVar("T")
 
 __all__ = [
     "CenterPolicy",
@@ -69,21 +73,6 @@ __all__ = [
     "float_buffers",
     "pull_",
 ]
-
-
-T = TypeVar("T")
-
-
-class RoundGuard(Protocol):
-    """Runs each collective of the rounds under a membership that may change (fault-tolerant training).
-
-    :meth:`run` calls ``collective`` (a round, a consensus, the final round) over the replicas
-    alive at that point, after :meth:`PeriodicAveraging.regroup` if they changed, and runs it
-    again among the survivors, from the state before it, when a replica fails during it.
-    ``admit``: restarted replicas may be admitted at this point (rounds only).
-    """
-
-    def run(self, algorithm: PeriodicAveraging, collective: Callable[[], T], admit: bool) -> T: ...
 
 
 def float_buffers(module: nn.Module) -> list[Tensor]:
@@ -179,6 +168,18 @@ class PeriodicAveraging:
 
     def _guarded(self, collective: Callable[[], T], admit: bool = False) -> T:
         return collective() if self.guard is None else self.guard.run(self, collective, admit)
+
+    def undo_point(self) -> Callable[[], None]:
+        """How to undo a round that failed half-way (a fault-tolerant run): the replica and state as now."""
+        flats = [self.flat, *([self.flat_buffers] if self.flat_buffers is not None else [])]
+        saved = [b.clone() for f in flats for b in f.buckets]
+        state = copy.deepcopy(self.state_dict())
+
+        def undo() -> None:
+            torch._foreach_copy_([b for f in flats for b in f.buckets], saved)
+            self.load_state_dict(state)
+
+        return undo
 
     def regroup(self, group: Group) -> None:
         """Average over ``group`` from now on (the live replicas of a fault-tolerant run; every member calls it)."""

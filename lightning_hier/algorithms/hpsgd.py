@@ -56,7 +56,7 @@ Pure torch: usable from a plain training loop::
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -70,7 +70,8 @@ from lightning_hier import _validate as v
 from lightning_hier.algorithms.compression import COMPRESSIONS, Bf16ErrorFeedback, QuantizedChange, make_codec
 from lightning_hier.algorithms.hpsgd_state import HPSGDCheckpoint
 from lightning_hier.algorithms.outer import OuterNesterov
-from lightning_hier.comm import CommStats, FlatTensors, all_reduce_sum_async, group_size, wait_all
+from lightning_hier.algorithms.round_guard import RoundGuard
+from lightning_hier.comm import CommStats, FlatTensors, all_reduce_sum_, all_reduce_sum_async, group_size, wait_all
 from lightning_hier.comm.collectives import Group, payload_bytes
 
 MODES = ("fixed", "poll")
@@ -168,6 +169,7 @@ class HPSGD(HPSGDCheckpoint):
         self.group, self.window, self.mode, self.merge, self.delay = group, window, mode, merge, delay
         self.control_group = control_group if control_group is not None else group
         self.world = group_size(group)
+        self.in_flight_world = self.world  # how many replicas' changes the in-flight sum holds
         self.stats = stats if stats is not None else CommStats()
         self.optimizer, self.reset_optimizer_state = optimizer, reset_optimizer_state
         self.outer = OuterNesterov(outer_lr, outer_momentum)
@@ -198,6 +200,11 @@ class HPSGD(HPSGDCheckpoint):
         self._blocked_mark = 0.0
         # this rank's factor on the change it sends (DBS shares: W n_r / N, lightning_hier.algorithms.dbs_compose)
         self.change_weight = 1.0
+        self.guard: RoundGuard | None = None
+        """Settles the in-flight reduction under a changing membership (``None``: a fixed group)."""
+        self._sent: list[Tensor] | None = None  # with a guard: this rank's payload as sent, to sum again
+        self._send_group: Group = None  # the group the in-flight reduction runs over
+        self._settling = False  # with a guard: a launched reduction not yet settled
 
     # ------------------------------------------------------------------ the recurrence
     @property
@@ -249,7 +256,7 @@ class HPSGD(HPSGDCheckpoint):
         ``x - V`` is this rank's change since the launch, not yet sent; with ``V = S`` the next
         launch sends exactly that change plus the steps until then.
         """
-        self._wait()
+        self._wait(admit=True)
         distance = _norm(torch._foreach_sub(self.replica, self.global_model))
         self._apply_in_flight()
         assert self._own_start is not None  # delay < window needs merge='eager'
@@ -294,7 +301,7 @@ class HPSGD(HPSGDCheckpoint):
     @torch.no_grad()
     def _merge(self) -> Merge:
         window = self.since_launch
-        distance = self._close_window()
+        distance = self._close_window(admit=True)
         self._restart()
         blocked = self.stats.blocked_s - self._blocked_mark
         self.merges += 1
@@ -303,13 +310,13 @@ class HPSGD(HPSGDCheckpoint):
             self.optimizer.state.clear()
         return Merge(window, blocked, self._sent_bytes(), distance, self.merges)
 
-    def _close_window(self) -> float:
+    def _close_window(self, admit: bool = False) -> float:
         """Wait; put this window's change ``x - V`` in ``d``; apply the previous window's to ``S``.
 
         Also stages this window's buffers for sending. Returns the consensus distance
-        ``||x - S||`` (``S`` before the update).
+        ``||x - S||`` (``S`` before the update). ``admit``: a restarted replica may join here.
         """
-        self._wait()
+        self._wait(admit)
         start = self._take_change()
         # in the paper rule's steady state V == S, so x - S is d itself: no extra pass
         distance = _norm(
@@ -335,10 +342,10 @@ class HPSGD(HPSGDCheckpoint):
         if not self.pending:
             return
         self.pending = False
-        self.outer.step_(self.global_model, self.in_flight, scale=1.0 / self.world)
+        self.outer.step_(self.global_model, self.in_flight, scale=1.0 / self.in_flight_world)
         if self.flat_buffers is not None:
             torch._foreach_copy_(self.global_buffers, self._buffers_in_flight)
-            torch._foreach_div_(self.global_buffers, float(self.world))
+            torch._foreach_div_(self.global_buffers, float(self.in_flight_world))
 
     def _stage_buffers(self) -> None:
         if self.flat_buffers is not None:  # the buffers' values go with this window's change
@@ -369,7 +376,11 @@ class HPSGD(HPSGDCheckpoint):
                 self.in_flight = self.codec.encode_(self._delta)
             else:  # d becomes the in-flight buffer; the waited one is the next scratch
                 self.in_flight, self._delta = self._delta, self.in_flight
+            if self.guard is not None:  # kept to sum again among the survivors if a replica dies meanwhile
+                self._sent = [t.clone() for t in self._payload()]
+                self._send_group, self._settling = self.group, True
             self._works = all_reduce_sum_async(self._payload(), self.group, self.stats)
+        self.in_flight_world = self.world
         self.since_launch = 0
         self.pending = True
         self._blocked_mark = self.stats.blocked_s
@@ -382,10 +393,49 @@ class HPSGD(HPSGDCheckpoint):
         change = self.codec.payload_bytes if isinstance(self.codec, QuantizedChange) else payload_bytes(self.in_flight)
         return change + payload_bytes(self._buffers_in_flight)
 
-    def _wait(self) -> None:
+    def _wait(self, admit: bool = False) -> None:
         # the only place an in-flight buffer becomes readable
+        if self.guard is not None and self._settling:
+            self.guard.run(self, self._settle, admit)
+            return
         wait_all(self._works, self.stats)
         self._works = []
+
+    # ------------------------------------------------------------------ a changing membership
+    def settle(self) -> None:
+        """Wait for the window in flight (its sum is then final here; a collective)."""
+        self._wait()
+
+    def regroup(self, group: Group) -> None:
+        """Send over ``group`` from now on (the live replicas of a fault-tolerant run; every member calls it)."""
+        self.group = self.control_group = group
+        self.world = group_size(group)
+
+    def _settle(self) -> None:
+        """Finish the in-flight reduction; if the group changed since the launch, sum the survivors' changes again.
+
+        The rule for a replica lost while its window was in flight: its change is dropped, and the
+        survivors' changes of that window are summed among them (blocking) and averaged over
+        their number, so the window still counts for every replica that finished it.
+        """
+        if self._send_group is self.group:
+            wait_all(self._works, self.stats)
+        else:
+            assert self._sent is not None
+            torch._foreach_copy_(self._payload(), self._sent)
+            all_reduce_sum_(self._payload(), self.group, self.stats)
+            self.in_flight_world = self.world
+        self._works, self._settling = [], False
+
+    def undo_point(self) -> Callable[[], None]:
+        """How to undo a failed :meth:`_settle` (the guard calls it first): the payload as sent, to sum again."""
+
+        def undo() -> None:
+            if self._sent is not None:
+                torch._foreach_copy_(self._payload(), self._sent)
+            self._works, self._settling, self._send_group = [], True, None  # summed again, over the next group
+
+        return undo
 
     @torch.no_grad()
     def finalize(self) -> None:
@@ -422,8 +472,8 @@ class HPSGD(HPSGDCheckpoint):
             return self.global_model, self.global_buffers
         self._wait()
         model = [s.clone() for s in self.global_model]
-        self.outer.copy().step_(model, self.in_flight, scale=1.0 / self.world)  # what the next merge applies
-        return model, [b / self.world for b in self._buffers_in_flight]
+        self.outer.copy().step_(model, self.in_flight, scale=1.0 / self.in_flight_world)  # the next merge's
+        return model, [b / self.in_flight_world for b in self._buffers_in_flight]
 
     @contextmanager
     def consensus(self) -> Iterator[None]:

@@ -27,6 +27,8 @@ class _Parts(Protocol):
     launched: bool
     pending: bool
     first_window: bool
+    in_flight_world: int
+    world: int
     flat: FlatTensors
     flat_buffers: FlatTensors | None
     global_model: list[Tensor]
@@ -76,6 +78,7 @@ class HPSGDCheckpoint:
         }
         if self.launched:
             state["in_flight"] = split(self.in_flight)
+            state["in_flight_world"] = self.in_flight_world
         if self._start() is not self.global_model:
             state["window_start"] = split(self._start())
         if self.outer.buffer:
@@ -117,6 +120,7 @@ class HPSGDCheckpoint:
         self.flat.load(self.global_model, state["global_model"], "HPSGD", "global_model")
         if self.launched:
             self.flat.load(self.in_flight, state["in_flight"], "HPSGD", "in_flight")
+            self.in_flight_world = int(state.get("in_flight_world", self.world))  # a joiner: the sender's
         if self._start() is not self.global_model:
             self.flat.load(self._start(), state.get("window_start", self.global_tensors()), "HPSGD", "window_start")
         self.outer.buffer = self.flat.zeros_like() if "outer_momentum" in state else []

@@ -18,6 +18,8 @@ The coordination lives in a store that no replica hosts (the supervising launche
   never waits for it as the member it was); the next round that admits joiners lists
   it, and once that round commits its lowest member writes ``admit/{replica}/{incarnation}`` with
   the decision (the point and the new world), which the joiner waits for.
+- ``restarting/{replica}``: set by the launcher when it starts a replica again, cleared when that
+  replica asks to join; the end of training waits for it (:meth:`Membership.agree`'s ``restarting_s``).
 - ``vote/{point}/{replica}``: after a round's collectives every member votes whether they
   succeeded; the round counts (commits) only when every member voted yes. A member that died
   mid-round never votes, so the survivors undo the round and run it again among themselves
@@ -156,7 +158,9 @@ class Membership:
         self._stop.set()
 
     # ------------------------------------------------------------------ agreement
-    def agree(self, point: str, expected: tuple[int, ...], admit: bool, wait_s: float | None = None) -> Decision:
+    def agree(
+        self, point: str, expected: tuple[int, ...], admit: bool, wait_s: float | None = None, restarting_s: float = 0.0
+    ) -> Decision:
         """Arrive at ``point`` and return its decision (the same on every replica).
 
         Args:
@@ -166,16 +170,21 @@ class Membership:
             wait_s: Wait this long for every expected replica, whether it beats or not (the start
                 of the job: a replica still importing has not begun to beat). ``None``: wait for
                 the replicas that beat, at most ``timeout``.
+            restarting_s: Also wait this long for replicas the launcher is restarting to ask to
+                join (the end of training: the last chance to hand them the model).
         """
         self.store.set(f"arrive/{point}/{self.replica}", "1")
         wait_all = wait_s is not None
-        deadline = time.monotonic() + (wait_s if wait_s is not None else self.timeout.total_seconds())
+        started = time.monotonic()
+        deadline = started + (wait_s if wait_s is not None else self.timeout.total_seconds())
         key = f"decide/{point}"
         while True:
             if self.store.check([key]):
                 return Decision.decode(self.store.get(key))
             arrived = tuple(j for j in expected if self.store.check([f"arrive/{point}/{j}"]))
             pending = [j for j in expected if j not in arrived and (wait_all or self._coming(j))]
+            if restarting_s and time.monotonic() < started + restarting_s:
+                pending += [j for j in range(self.replicas) if self.store.check([f"restarting/{j}"])]
             if not pending or time.monotonic() > deadline:
                 joiners = self._joiners(arrived) if admit else ()
                 mine = Decision(point, tuple(sorted(arrived)), joiners)
@@ -200,6 +209,7 @@ class Membership:
     def ask_to_join(self, incarnation: int) -> None:
         """A restarted replica asks to join (before it beats: the others must not wait for it at a round)."""
         self.store.set(f"join/{self.replica}", str(incarnation))
+        self.store.delete_key(f"restarting/{self.replica}")  # the launcher's mark: from now on it is a joiner
 
     def wait_admission(self, incarnation: int, deadline_s: float) -> Decision:
         """Wait until a round admits this restarted replica; its decision."""
@@ -233,13 +243,14 @@ class Membership:
         self.store.set("finished", "1")
 
     # ------------------------------------------------------------------ groups
-    def form_world(self, world: tuple[int, ...], point: str) -> dist.ProcessGroup:
+    def form_world(self, world: tuple[int, ...], point: str, step: int | None = None) -> dist.ProcessGroup:
         """A new process group over the replicas of ``world``, in that order (a collective among them).
 
         The group is made directly on the coordination store (``ProcessGroupGloo``), not as the
         default group: the default group of a replica stays a group of one, so collectives that
         Lightning, torchmetrics or user code make on it never wait for another replica (a
-        restarted replica's set-up makes collectives the running replicas never make).
+        restarted replica's set-up makes collectives the running replicas never make). ``step``: the
+        training steps this replica completed, for the log of :attr:`events`.
         """
         store = dist.PrefixStore(f"world/{point}", self.store)
         gloo = dist.ProcessGroupGloo(store, world.index(self.replica), len(world), self.timeout)
@@ -247,7 +258,7 @@ class Membership:
         if world != self.world:
             left = sorted(set(self.world) - set(world))
             joined = sorted(set(world) - set(self.world)) if self.world else []
-            self.events.append({"point": point, "world": list(world), "left": left, "joined": joined})
+            self.events.append({"point": point, "step": step, "world": list(world), "left": left, "joined": joined})
             log.info("lightning_hier: replica %d: world %s at %s", self.replica, list(world), point)
         self.world = world
         return group

@@ -67,6 +67,7 @@ class ElasticLauncher(_ReportingLauncher):
             master_listen_fd=listener.detach(),
         )
         fault.store_port, fault.store_prefix = port, f"lightning_hier/{uuid.uuid4().hex}"
+        marks = dist.PrefixStore(fault.store_prefix, store)
         os.environ["MASTER_PORT"] = str(env.main_port)
         context = mp.get_context(self._start_method)
         return_queue = context.SimpleQueue()
@@ -117,6 +118,7 @@ class ElasticLauncher(_ReportingLauncher):
                                 fault.max_restarts,
                             )
                             print(f"lightning_hier: replica {index} {how}; restarting it", flush=True)
+                            marks.set(f"restarting/{index}", "1")  # the end of training waits for it
                             self.procs[index] = start(index, restarts[index])
                         else:
                             failed[index] = _how(code) if code != EXIT_REJOIN else "could not rejoin"

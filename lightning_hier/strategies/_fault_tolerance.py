@@ -1,8 +1,8 @@
 """Keep training when a replica fails: the fault-tolerant mode of the periodic strategies (:class:`FaultTolerance`).
 
 One more object the adapter holds (``HierStrategy(fault_tolerance=...)``, or ``fault_tolerance=True``
-on ``localsgd`` and the GRAWA family). Without it nothing changes: the fail-fast behaviour of
-``docs/guide/failures.md``. With it, each rank is a *replica* that may die and come back:
+on ``localsgd``, the GRAWA family and ``hpsgd``). Without it nothing changes: the fail-fast
+behaviour of ``docs/guide/failures.md``. With it, each rank is a *replica* that may die and come back:
 
 - **Where agreement lives.** The fork / spawn launcher hosts a coordination store in the main
   process (:class:`~lightning_hier.strategies._elastic_launcher.ElasticLauncher`), so no replica
@@ -14,8 +14,14 @@ on ``localsgd`` and the GRAWA family). Without it nothing changes: the fail-fast
   dies during the round's collectives never votes to commit it, so the survivors put their
   replicas and the rule's state back as they were before the round and run it again without it:
   the dead replica's steps since the previous round are lost, nothing else.
+- **HPSGD's window in flight.** HPSGD's collective is the window's all-reduce, launched at one
+  merge and waited for at the next. When the replicas at the wait are not those it was launched
+  over (one died meanwhile), or the wait fails, the lost replica's change is dropped: every
+  survivor sums again, blocking, the change it sent (kept since the launch) with the other
+  survivors', and the merge divides by their number. Every survivor's window still counts.
 - **Joining.** The launcher restarts a dead replica (up to ``max_restarts`` times each). It asks to
-  join; the next round admits it: after that round's step, the lowest live replica sends it, over
+  join; the next round admits it: after that round's step, the members finish any collective in
+  flight (HPSGD's new window) among themselves, and the lowest live replica sends the joiner, over
   the network, what a checkpoint at that point would hold (its model, optimizer state, the rule's
   state, the loop's counters and data position, callbacks' state); the joiner's fit restores it
   as if resuming from a checkpoint taken there, and trains on from the next batch.
@@ -34,7 +40,6 @@ every rank (resume is not bit-identical).
 
 from __future__ import annotations
 
-import copy
 import io
 import logging
 import time
@@ -57,7 +62,7 @@ from lightning_hier.topology import ProcessGroups, Topology
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-    from lightning_hier.algorithms.averaging import PeriodicAveraging
+    from lightning_hier.algorithms.round_guard import Undoable
     from lightning_hier.strategies.adapter import HierStrategy
 
 log = logging.getLogger(__name__)
@@ -196,7 +201,7 @@ class FaultTolerance:
         return checkpoint
 
     # ------------------------------------------------------------------ the rounds (RoundGuard)
-    def run(self, algorithm: PeriodicAveraging, collective: Callable[[], T], admit: bool) -> T:
+    def run(self, algorithm: Undoable, collective: Callable[[], T], admit: bool) -> T:
         """Run one of the rule's collectives over the live replicas (see the module docstring)."""
         membership = self._require()
         attempt = 0
@@ -205,9 +210,9 @@ class FaultTolerance:
             decision = membership.agree(point, self._expected, admit=admit)
             if membership.replica not in decision.members:
                 exit_excluded(membership.replica, point)
-            if decision.members != membership.world:
+            if set(decision.members) != set(membership.world):
                 self._form(decision.members, point)
-            before = _snapshot(algorithm)
+            undo = algorithm.undo_point()
             try:
                 output = collective()
                 ok = True
@@ -217,26 +222,31 @@ class FaultTolerance:
                 ok = False
             if membership.vote(point, ok, decision.members):
                 self._point += 1
-                self._expected = decision.world
+                self._expected = decision.members  # the joiners are expected once they hold the state
                 if decision.joiners:
                     self._admitted = decision
                     if membership.replica == decision.members[0]:
                         membership.admit(decision)  # only now: an undone round's joiners wait for the next
                 return output
-            _restore(algorithm, before)
+            undo()
             membership.events.append({"point": point, "undone": True})
             log.warning("lightning_hier: replica %d: %s undone (a replica failed during it)", membership.replica, point)
             attempt += 1
 
     def _form(self, world: tuple[int, ...], point: str, regroup: bool = True) -> None:
         """Make ``world`` the live group (every replica in it calls this); the rule runs over it."""
-        group = self._require().form_world(world, point)
+        group = self._require().form_world(world, point, step=self._step())
         topology = Topology(world_size=len(world))
         rank = world.index(self._require().replica)
         self.groups = ProcessGroups(topology, rank, topology.coords(rank), group, None, None, group, group, None)
         if regroup:
             assert self._strategy is not None
             self._strategy.sync.regroup(self.groups, self)
+
+    def _step(self) -> int | None:
+        """The optimizer steps this replica has completed (``None`` outside fit): for the membership log."""
+        module = self._strategy.lightning_module if self._strategy is not None else None
+        return module.trainer.global_step if module is not None and module._trainer is not None else None
 
     def attach(self, strategy: HierStrategy) -> None:
         """The rule is bound: run its rounds over the live group, through this object, from now on."""
@@ -261,11 +271,13 @@ class FaultTolerance:
         if admitted is None:
             return
         membership = self._require()
-        self._form(admitted.world, f"{admitted.point}/admit")
-        if membership.replica != admitted.members[0]:
-            return  # the lowest live replica sends; the others go on
         strategy = self._strategy
         assert strategy is not None
+        strategy.sync.settle()  # a window in flight (HPSGD) is summed among the members it was sent to
+        self._form(admitted.world, f"{admitted.point}/admit")
+        self._expected = admitted.world
+        if membership.replica != admitted.members[0]:
+            return  # the lowest live replica sends; the others go on
         started = time.monotonic()
         self.donating = True  # the replica itself, not a consensus: right after the round they are equal
         try:
@@ -287,11 +299,26 @@ class FaultTolerance:
         )
 
     # ------------------------------------------------------------------ the end
-    def finish(self) -> None:
-        """Training is over on this replica."""
-        if self.membership is not None:
-            self.membership.finished()
-            self.membership.stop()
+    def finish(self, trainer: pl.Trainer) -> None:
+        """Training is over: replicas being restarted get the finished model, then joins are refused.
+
+        Every live replica calls it (the strategy's ``on_train_end``). A replica the launcher is
+        restarting is waited for up to the start-up timeout, admitted and sent the state of the
+        finished fit; its own fit then ends at once with that model (so replica 0, whose result
+        the main process keeps, may be one of them).
+        """
+        membership = self.membership
+        if membership is None or self._strategy is None:
+            return
+        wait_s = self._strategy._init_timeout.total_seconds()
+        decision = membership.agree(f"{self._point}.final", self._expected, admit=True, restarting_s=wait_s)
+        if decision.joiners:
+            if membership.replica == decision.members[0]:
+                membership.admit(decision)
+            self._admitted = decision
+            self.donate(trainer)
+        membership.finished()
+        membership.stop()
 
     def install(self, trainer: pl.Trainer) -> None:
         """Add the callback that sends the state to admitted replicas (after every other callback's batch end)."""
@@ -323,19 +350,6 @@ def _lost_peer(err: BaseException) -> bool:
     name the group) while handling the collective's own error, which is then the context.
     """
     return is_communication_error(err) or (err.__context__ is not None and is_communication_error(err.__context__))
-
-
-def _snapshot(algorithm: PeriodicAveraging) -> tuple[dict[str, Any], list[torch.Tensor]]:
-    flats = [algorithm.flat, *([algorithm.flat_buffers] if algorithm.flat_buffers is not None else [])]
-    return copy.deepcopy(algorithm.state_dict()), [b.clone() for f in flats for b in f.buckets]
-
-
-def _restore(algorithm: PeriodicAveraging, snapshot: tuple[dict[str, Any], list[torch.Tensor]]) -> None:
-    state, tensors = snapshot
-    flats = [algorithm.flat, *([algorithm.flat_buffers] if algorithm.flat_buffers is not None else [])]
-    for bucket, saved in zip([b for f in flats for b in f.buckets], tensors, strict=True):
-        bucket.copy_(saved)
-    algorithm.load_state_dict(state)
 
 
 def _send_bytes(payload: bytes, dst: int, group: dist.ProcessGroup | None) -> None:

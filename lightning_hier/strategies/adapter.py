@@ -119,7 +119,7 @@ class HierStrategy(ParallelStrategy):
         fault_tolerance: Keep training when a replica fails, and restart it
             (:class:`~lightning_hier.strategies.FaultTolerance`, its arguments as a mapping, or
             ``True`` for its defaults);
-            periodic rules only (``localsgd``, the GRAWA family), with ``start_method`` ``'fork'``
+            periodic rules only (``localsgd``, the GRAWA family, ``hpsgd``), with ``start_method`` ``'fork'``
             or ``'spawn'``. ``None`` (default): a failure ends the run.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin:
             Set by the Trainer; as in Lightning's own strategies.
@@ -489,8 +489,9 @@ class HierStrategy(ParallelStrategy):
     def on_train_end(self) -> None:
         super().on_train_end()
         self.finish_training()  # a no-op unless a stop came that FinishFit did not predict
-        if self.fault_tolerance is not None:
-            self.fault_tolerance.finish()
+        module = self.lightning_module
+        if self.fault_tolerance is not None and module is not None and module._trainer is not None:
+            self.fault_tolerance.finish(module.trainer)
         self.sync.pause()
         warn_if_not_finite(self.lightning_module, type(self).__name__, self.global_rank)
 

@@ -43,13 +43,14 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_hier import _validate as v
-from lightning_hier.algorithms.averaging import PeriodicAveraging, RoundGuard, float_buffers
+from lightning_hier.algorithms.averaging import PeriodicAveraging, float_buffers
 from lightning_hier.algorithms.centers import CenterPolicy, ElasticCenter, LeaderCenter, RoundReport, UniformCenter
 from lightning_hier.algorithms.claim_sampler import ClaimQueue
 from lightning_hier.algorithms.dbs_compose import SampleWeightedCenter
 from lightning_hier.algorithms.grawa import DEFAULT_BETA, NORMS, VARIANTS, GradientWeightedCenter, probe_grad_norms
 from lightning_hier.algorithms.grawa_async import AsyncGradientWeightedCenter
 from lightning_hier.algorithms.ps_link import require_worker
+from lightning_hier.algorithms.round_guard import RoundGuard
 from lightning_hier.algorithms.two_level import LevelRounds
 from lightning_hier.comm import CommStats, all_reduce_mean_
 from lightning_hier.comm.collectives import Group

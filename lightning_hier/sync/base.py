@@ -151,6 +151,9 @@ class Sync:
     def bind(self, binding: Binding) -> None:
         """Build the algorithm(s) over ``binding`` (a collective when it builds groups)."""
 
+    def settle(self) -> None:
+        """Finish every collective in flight (a fault-tolerant run, before a replica joins); a collective."""
+
     def batch_started(self, batch: Any) -> None:
         """A training (micro-)batch starts."""
 

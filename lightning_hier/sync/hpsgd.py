@@ -28,11 +28,12 @@ from lightning_hier.algorithms.averaging import float_buffers
 from lightning_hier.algorithms.compression import COMPRESSIONS
 from lightning_hier.algorithms.hpsgd import HPSGD, MERGES, MODES, Merge
 from lightning_hier.algorithms.hpsgd_two_level import TwoLevelHPSGD
+from lightning_hier.algorithms.round_guard import RoundGuard
 from lightning_hier.sync.base import Binding, Sync, all_consensus, join_states, split_state
 from lightning_hier.sync.buckets import bucket_bytes, check_bucket_options
 from lightning_hier.sync.dbs_compose import SampleWeights
 from lightning_hier.sync.levels import Levels
-from lightning_hier.topology import Topology
+from lightning_hier.topology import ProcessGroups, Topology
 
 
 class HPSGDSync(Sync):
@@ -142,6 +143,33 @@ class HPSGDSync(Sync):
             self.algorithms.append(TwoLevelHPSGD(node, two) if two is not None else node)
         if self.weights is not None:
             self.weights.reset()
+
+    @override
+    def fault_tolerance_problem(self) -> str | None:
+        if self.mode != "fixed":
+            return "mode='poll' agrees on readiness every step"
+        if self.levels.enabled:
+            return "two-level windows keep groups per node; fault tolerance is for one flat group"
+        if self.compression in ("int8", "int4"):
+            return f"compression={self.compression!r} splits the change into shards fixed by the number of replicas"
+        if self.weights is not None:
+            return "DBS's sample weights follow every rank's share"
+        return None
+
+    @override
+    def regroup(self, groups: ProcessGroups, guard: RoundGuard) -> None:
+        assert self._binding is not None
+        self._binding.groups = groups
+        for algorithm in self.algorithms:
+            assert isinstance(algorithm, HPSGD)  # fault_tolerance_problem refuses two levels
+            algorithm.regroup(self.levels.periodic_group(groups))
+            algorithm.guard = guard
+
+    @override
+    def settle(self) -> None:
+        for algorithm in self.algorithms:
+            if isinstance(algorithm, HPSGD):
+                algorithm.settle()
 
     def _poll_group(self, binding: Binding) -> dist.ProcessGroup | None:
         """A second data group for mode 'poll''s readiness flag, so it never queues behind the bulk reduction."""

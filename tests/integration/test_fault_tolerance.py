@@ -10,7 +10,9 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
 import pytest
@@ -19,8 +21,8 @@ from lightning.pytorch.callbacks import Callback
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from lightning_hier.strategies import FaultTolerance, HPSGDStrategy, LocalSGDStrategy
-from tests.fault_tolerance_reference import simulate
+from lightning_hier.strategies import FaultTolerance, GrawaStrategy, HPSGDStrategy, LocalSGDStrategy
+from tests.fault_tolerance_reference import simulate, simulate_hpsgd
 from tests.helpers import flat_params, trainer
 
 REPLICAS, SAMPLES, FEATURES, CLASSES, BATCH, TAU, EPOCHS = 3, 240, 6, 3, 8, 4, 2
@@ -74,16 +76,27 @@ class _Record(Callback):
         self.out = out
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        fault = trainer.strategy.fault_tolerance
-        events = fault.membership.events if fault.membership is not None else []
         torch.save(flat_params(pl_module), self.out / f"replica{trainer.global_rank}.pt")
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        fault = trainer.strategy.fault_tolerance  # after the strategy's own end of training (its last admission)
+        events = fault.membership.events if fault.membership is not None else []
         (self.out / f"events{trainer.global_rank}.json").write_text(json.dumps(events))
 
 
-def _fit(tmp_path: Path, kill_after: int, max_restarts: int, in_round: bool = False) -> _Net:
-    module = _Net(kill_replica=1, kill_after=kill_after, in_round=in_round)
+def _fit(
+    tmp_path: Path,
+    kill_after: int,
+    max_restarts: int,
+    in_round: bool = False,
+    cls: type = LocalSGDStrategy,
+    kill_replica: int = 1,
+    **kwargs: Any,
+) -> _Net:
+    module = _Net(kill_replica=kill_replica, kill_after=kill_after, in_round=in_round)
     fault = FaultTolerance(max_restarts=max_restarts, dead_after_s=1.0)
-    strategy = LocalSGDStrategy(tau=TAU, start_method="fork", timeout=60, fault_tolerance=fault)
+    period = kwargs or {"tau": TAU}
+    strategy = cls(**period, start_method="fork", timeout=60, fault_tolerance=fault)
     t = trainer(strategy=strategy, devices=REPLICAS, max_epochs=EPOCHS, callbacks=[_Record(tmp_path)])
     t.fit(module, DataLoader(_data(), batch_size=BATCH))
     return module
@@ -126,6 +139,50 @@ def test_a_replica_killed_inside_a_round_has_the_round_undone_and_run_again_with
     torch.testing.assert_close(flat_params(module.body), reference[0], rtol=0, atol=1e-6)
 
 
+def test_grawa_trains_on_through_a_kill_and_the_restarted_replica_ends_with_the_others(tmp_path):
+    _fit(tmp_path, kill_after=6, max_restarts=1, cls=GrawaStrategy)  # weights over the live replicas
+    events = json.loads((tmp_path / "events0.json").read_text())
+    assert [e["left"] for e in events if e.get("left")] == [[1]]
+    assert [e["joined"] for e in events if e.get("joined")] == [[1]]
+    ends = [torch.load(tmp_path / f"replica{r}.pt", weights_only=True) for r in range(REPLICAS)]
+    for end in ends[1:]:
+        torch.testing.assert_close(end, ends[0], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("kill_after", [6, 11])
+def test_hpsgd_drops_the_lost_window_rejoins_and_equals_the_reference(tmp_path, kill_after):
+    module = _fit(tmp_path, kill_after=kill_after, max_restarts=1, cls=HPSGDStrategy, window=TAU)
+    events = json.loads((tmp_path / "events0.json").read_text())
+    leaves = {e["step"] + 1: tuple(e["world"]) for e in events if e.get("left")}  # during that step's merge
+    joins = {e["step"]: tuple(e["joined"]) for e in events if e.get("joined")}  # after that step
+    assert list(leaves.values()) == [(0, 2)] and list(joins.values()) == [(1,)], events
+    ends = [torch.load(tmp_path / f"replica{r}.pt", weights_only=True) for r in range(REPLICAS)]
+    for end in ends[1:]:
+        torch.testing.assert_close(end, ends[0], rtol=0, atol=1e-6)
+    reference = simulate_hpsgd(
+        _model, _optimizer, _shard_batch, REPLICAS, TAU, STEPS_PER_EPOCH, EPOCHS, leaves, joins, {1: kill_after}
+    )
+    torch.testing.assert_close(flat_params(module.body), reference, rtol=0, atol=1e-6)
+
+
+def test_replica_0_killed_at_the_last_step_still_hands_back_the_finished_model(tmp_path, monkeypatch):
+    connect = FaultTolerance.connect
+
+    def slow_restart(self: FaultTolerance, *args: Any) -> None:
+        if self.incarnation > 0:
+            time.sleep(2.0)  # a restarted replica slower to start (imports, data) than the others to finish
+        connect(self, *args)
+
+    monkeypatch.setattr(FaultTolerance, "connect", slow_restart)  # the forked replicas inherit it
+    steps = STEPS_PER_EPOCH * EPOCHS
+    module = _fit(tmp_path, kill_after=steps - 1, max_restarts=1, kill_replica=0)
+    events = json.loads((tmp_path / "events1.json").read_text())
+    assert [e["left"] for e in events if e.get("left")] == [[0]]
+    assert [e["point"] for e in events if e.get("joined")] == [f"{steps // TAU}.final/admit"]  # after the last round
+    reference = _reference(events, killed={0: steps - 1})
+    torch.testing.assert_close(flat_params(module.body), reference[1], rtol=0, atol=1e-6)
+
+
 def test_without_restarts_the_others_finish_without_the_dead_replica(tmp_path):
     module = _fit(tmp_path, kill_after=5, max_restarts=0)
     events = json.loads((tmp_path / "events0.json").read_text())
@@ -139,8 +196,8 @@ def test_without_restarts_the_others_finish_without_the_dead_replica(tmp_path):
 def test_bad_fault_tolerance_arguments_are_refused_before_any_process_starts():
     with pytest.raises(ValueError, match=r"fault_tolerance.*start_method.*'popen'"):
         LocalSGDStrategy(fault_tolerance=True)
-    with pytest.raises(ValueError, match=r"HPSGDStrategy: argument `fault_tolerance` cannot be used here"):
-        HPSGDStrategy(start_method="fork", fault_tolerance=True)
+    with pytest.raises(ValueError, match=r"HPSGDStrategy: argument `fault_tolerance` cannot be used here: mode='poll'"):
+        HPSGDStrategy(start_method="fork", mode="poll", fault_tolerance=True)
     with pytest.raises(ValueError, match=r"max_restarts"):
         FaultTolerance(max_restarts=-1)
     with pytest.raises(ValueError, match=r"fault_tolerance.*'yes'"):
