@@ -1,9 +1,9 @@
 """Single-process reference of fault-tolerant Local SGD: the replicas, rounds and joins of a membership sequence.
 
-The sequence is what a run logged (one replica's ``Membership.events``): at round ``p`` the world
-is the last one formed at a point numbered ``p`` or before; a replica that joined after round
-``p`` starts from the state of that round's lowest member (its model and optimizer state) and
-trains on from the next step at the same position of its own shard. A replica killed after
+The sequence is what a run logged (one replica's ``Membership.events``, read by :func:`rounds_of`):
+a round averages over the last world formed before it; a replica that joined after a round's step
+starts from the state of that round's lowest member (its model and optimizer state) and trains on
+from the next step at the same position of its own shard. A replica killed after
 ``k`` steps trains steps ``1..k`` only (its work since its last round is lost).
 """
 
@@ -17,19 +17,25 @@ from torch import Tensor, nn
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 
-def rounds_of(events: Sequence[dict[str, object]]) -> tuple[dict[int, tuple[int, ...]], dict[int, tuple[int, ...]]]:
-    """``(worlds, joins)``: the world of each round whose world changed, the replicas joining after each round."""
+def rounds_of(
+    events: Sequence[dict[str, object]], tau: int
+) -> tuple[dict[int, tuple[int, ...]], dict[int, tuple[int, ...]]]:
+    """``(worlds, joins)`` by step: the world of each round whose world changed, the replicas joining after a step.
+
+    An event's ``step`` is Lightning's ``global_step`` when the world changed: ``g`` during the
+    round of step ``g + 1``, or after step ``g`` (validation's consensus); either way the change
+    applies from the first round after step ``g``. A join is logged after the step it follows.
+    """
     worlds: dict[int, tuple[int, ...]] = {}
     joins: dict[int, tuple[int, ...]] = {}
     for event in events:
-        point = str(event["point"])
-        if point == "start" or "undone" in event:
+        if event["point"] == "start" or "undone" in event:
             continue
-        index = int(point.split(".")[0])
+        point, step = str(event["point"]), int(event["step"])  # type: ignore[call-overload]
         if point.endswith("/admit"):
-            joins[index] = tuple(event["joined"])  # type: ignore[arg-type]
+            joins[step] = tuple(event["joined"])  # type: ignore[arg-type]
         else:
-            worlds[index] = tuple(event["world"])  # type: ignore[arg-type]
+            worlds[(step // tau + 1) * tau] = tuple(event["world"])  # type: ignore[arg-type]
     return worlds, joins
 
 
@@ -59,7 +65,7 @@ def simulate(
     """
     models = [make_model() for _ in range(replicas)]
     optimizers = [make_optimizer(m) for m in models]
-    worlds, joins = rounds_of(events)
+    worlds, joins = rounds_of(events, tau)
     world = tuple(range(replicas))
     training = set(world)
     for step in range(1, steps_per_epoch * epochs + 1):
@@ -72,18 +78,16 @@ def simulate(
             optimizers[r].zero_grad()
             nn.functional.cross_entropy(models[r](x), y).backward()
             optimizers[r].step()
-        if step % tau:
-            continue
-        point = step // tau - 1
-        world = worlds.get(point, world)
-        training &= set(world)
-        with torch.no_grad():
-            params = [list(models[r].parameters()) for r in world]
-            for tensors in zip(*params, strict=True):
-                mean = torch.stack([t for t in tensors]).mean(0)
-                for t in tensors:
-                    t.copy_(mean)
-        for joiner in joins.get(point, ()):
+        if step % tau == 0:
+            world = worlds.get(step, world)
+            training &= set(world)
+            with torch.no_grad():
+                params = [list(models[r].parameters()) for r in world]
+                for tensors in zip(*params, strict=True):
+                    mean = torch.stack(list(tensors)).mean(0)
+                    for t in tensors:
+                        t.copy_(mean)
+        for joiner in joins.get(step, ()):
             donor = world[0]
             models[joiner] = copy.deepcopy(models[donor])
             optimizers[joiner] = make_optimizer(models[joiner])

@@ -83,9 +83,8 @@ class Decision:
 class Liveness:
     """Which replicas still beat, from the changes of their heartbeat counters (no clocks compared)."""
 
-    def __init__(self, store: dist.Store, replicas: int, dead_after_s: float) -> None:
+    def __init__(self, store: dist.Store, dead_after_s: float) -> None:
         self.store = store
-        self.replicas = replicas
         self.dead_after_s = dead_after_s
         self._seen: dict[int, tuple[int, float]] = {}  # replica -> (counter, when it was seen to change)
 
@@ -129,9 +128,9 @@ class Membership:
         self.replicas = replicas
         self.timeout = timeout
         self.heartbeat_s = heartbeat_s
-        self.liveness = Liveness(store, replicas, dead_after_s)
+        self.liveness = Liveness(store, dead_after_s)
         self.world: tuple[int, ...] = ()
-        """The replicas of the current default group, in rank order (empty before the first point)."""
+        """The replicas of the current live group, in rank order (empty before the first point)."""
         self.events: list[dict[str, object]] = []
         """What happened: one entry per change of the world and per undone round (also logged)."""
         self._stop = threading.Event()
@@ -148,7 +147,7 @@ class Membership:
             while not self._stop.wait(self.heartbeat_s):
                 try:
                     heartbeat_store.add(f"hb/{self.replica}", 1)
-                except Exception:  # the store (the launcher) is gone: the launcher's end ends this process
+                except Exception:  # the store (the launcher) is gone: the next round's store access fails
                     return
 
         self._beat = threading.Thread(target=beat, name=f"lightning-hier-heartbeat-{self.replica}", daemon=True)
@@ -258,7 +257,8 @@ class Membership:
         if world != self.world:
             left = sorted(set(self.world) - set(world))
             joined = sorted(set(world) - set(self.world)) if self.world else []
-            self.events.append({"point": point, "step": step, "world": list(world), "left": left, "joined": joined})
+            event = {"point": point, "step": step, "world": list(world), "left": left, "joined": joined}
+            self.events.append({**event, "at": time.time()})  # wall clock: compared with a driver's kill times
             log.info("lightning_hier: replica %d: world %s at %s", self.replica, list(world), point)
         self.world = world
         return group

@@ -107,6 +107,7 @@ class FaultTolerance:
     _point: int = field(default=0, init=False, repr=False)  # the next synchronisation point's number (all agree)
     _expected: tuple[int, ...] = field(default=(), init=False, repr=False)  # who should arrive there
     _admitted: Decision | None = field(default=None, init=False, repr=False)  # joiners of the last round
+    _synced_step: int | None = field(default=None, init=False, repr=False)  # the step of the last committed point
     received: dict[str, Any] | None = field(default=None, init=False, repr=False)
     donating: bool = field(default=False, init=False, repr=False)
     groups: ProcessGroups | None = field(default=None, init=False, repr=False)
@@ -188,7 +189,8 @@ class FaultTolerance:
         self.received = torch.load(io.BytesIO(payload), weights_only=False)
         self._point = int(self.received.pop(POINT_KEY))
         self._expected = decision.world
-        log.info("lightning_hier: replica %d rejoined at point %d", membership.replica, self._point)
+        step = self.received.get("global_step")
+        log.info("lightning_hier: replica %d rejoined at point %d (step %s)", membership.replica, self._point, step)
 
     def live_checkpoint(self) -> dict[str, Any]:
         """The checkpoint a restarted replica received (its fit loads it instead of a file)."""
@@ -204,6 +206,7 @@ class FaultTolerance:
     def run(self, algorithm: Undoable, collective: Callable[[], T], admit: bool) -> T:
         """Run one of the rule's collectives over the live replicas (see the module docstring)."""
         membership = self._require()
+        admit = admit and self._only_training_follows()
         attempt = 0
         while True:
             point = f"{self._point}.{attempt}"
@@ -222,6 +225,7 @@ class FaultTolerance:
                 ok = False
             if membership.vote(point, ok, decision.members):
                 self._point += 1
+                self._synced_step = self._step()
                 self._expected = decision.members  # the joiners are expected once they hold the state
                 if decision.joiners:
                     self._admitted = decision
@@ -235,13 +239,53 @@ class FaultTolerance:
 
     def _form(self, world: tuple[int, ...], point: str, regroup: bool = True) -> None:
         """Make ``world`` the live group (every replica in it calls this); the rule runs over it."""
-        group = self._require().form_world(world, point, step=self._step())
+        membership = self._require()
+        before = membership.world
+        group = membership.form_world(world, point, step=self._step())
+        left = sorted(set(before) - set(world))
+        if left:  # what the job lost: the replicas' steps since the last synchronisation they took part in
+            membership.events[-1]["lost_since_step"] = self._synced_step
+            log.warning(
+                "lightning_hier: replica %d: replica(s) %s left at step %s; their steps since step %s are lost",
+                membership.replica,
+                left,
+                self._step(),
+                self._synced_step,
+            )
         topology = Topology(world_size=len(world))
         rank = world.index(self._require().replica)
         self.groups = ProcessGroups(topology, rank, topology.coords(rank), group, None, None, group, group, None)
         if regroup:
             assert self._strategy is not None
             self._strategy.sync.regroup(self.groups, self)
+
+    def _only_training_follows(self) -> bool:
+        """Whether this batch's end is followed by the next training batch: where a joiner may come in.
+
+        A joiner restores the loop as at this batch's end; when validation, the epoch's end or the
+        end of training follows it, Lightning's restored loop does not run them as the others do,
+        and the collectives they contain would no longer pair up. The same answer on every replica
+        (the same loop position): Lightning's own rule (``_should_check_val_fx``), taken
+        conservatively (validation by time may come at any batch).
+        """
+        module = self._strategy.lightning_module if self._strategy is not None else None
+        if module is None or module._trainer is None:
+            return False
+        trainer = module.trainer
+        loop = trainer.fit_loop.epoch_loop
+        if (
+            loop.batch_progress.is_last_batch
+            or trainer.should_stop
+            or getattr(trainer, "_val_check_time_interval", None) is not None
+        ):
+            return False
+        if 0 < trainer.max_steps <= trainer.global_step + 1:
+            return False
+        every = trainer.val_check_batch
+        if trainer.enable_validation and every is not None and every != float("inf"):
+            index = loop.total_batch_idx if trainer.check_val_every_n_epoch is None else loop.batch_idx
+            return (index + 1) % int(every) != 0
+        return True
 
     def _step(self) -> int | None:
         """The optimizer steps this replica has completed (``None`` outside fit): for the membership log."""
@@ -321,7 +365,13 @@ class FaultTolerance:
         membership.stop()
 
     def install(self, trainer: pl.Trainer) -> None:
-        """Add the callback that sends the state to admitted replicas (after every other callback's batch end)."""
+        """Add the callback that sends the state to admitted replicas (after every other callback's batch end).
+
+        A restarted replica skips Lightning's sanity check: its validation would enter the
+        consensus (a collective) while the others are training.
+        """
+        if self.incarnation > 0:
+            trainer.num_sanity_val_steps = 0
         callbacks: list[Any] = trainer.callbacks  # type: ignore[attr-defined]
         if not any(isinstance(c, _SendState) for c in callbacks):
             callbacks.append(_SendState())

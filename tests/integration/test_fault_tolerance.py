@@ -68,6 +68,10 @@ class _Net(pl.LightningModule):
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return _optimizer(self.body)
 
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", nn.functional.cross_entropy(self.body(x), y), sync_dist=True)
+
 
 class _Record(Callback):
     """Each replica's final parameters and membership events, one file per replica."""
@@ -91,14 +95,16 @@ def _fit(
     in_round: bool = False,
     cls: type = LocalSGDStrategy,
     kill_replica: int = 1,
+    validation: dict[str, Any] | None = None,
     **kwargs: Any,
 ) -> _Net:
+    validation = validation or {}
     module = _Net(kill_replica=kill_replica, kill_after=kill_after, in_round=in_round)
     fault = FaultTolerance(max_restarts=max_restarts, dead_after_s=1.0)
     period = kwargs or {"tau": TAU}
     strategy = cls(**period, start_method="fork", timeout=60, fault_tolerance=fault)
-    t = trainer(strategy=strategy, devices=REPLICAS, max_epochs=EPOCHS, callbacks=[_Record(tmp_path)])
-    t.fit(module, DataLoader(_data(), batch_size=BATCH))
+    t = trainer(strategy=strategy, devices=REPLICAS, max_epochs=EPOCHS, callbacks=[_Record(tmp_path)], **validation)
+    t.fit(module, DataLoader(_data(), batch_size=BATCH), DataLoader(_data(), batch_size=BATCH) if validation else None)
     return module
 
 
@@ -115,13 +121,18 @@ def _reference(events: list[dict[str, object]], killed: dict[int, int]) -> list[
     return [flat_params(m) for m in models]
 
 
-@pytest.mark.parametrize("kill_after", [6, 9])
-def test_a_killed_replica_restarts_rejoins_and_the_model_equals_the_reference(tmp_path, kill_after):
-    module = _fit(tmp_path, kill_after=kill_after, max_restarts=1)
+@pytest.mark.parametrize(
+    ("kill_after", "validation"),
+    [(6, None), (9, {"num_sanity_val_steps": 2, "val_check_interval": 5})],  # consensus: validation during fit
+)
+def test_a_killed_replica_restarts_rejoins_and_the_model_equals_the_reference(tmp_path, kill_after, validation):
+    module = _fit(tmp_path, kill_after=kill_after, max_restarts=1, validation=validation)
     events = json.loads((tmp_path / "events0.json").read_text())
     left = [e for e in events if e.get("left")]
     joined = [e for e in events if e.get("joined")]
     assert [e["left"] for e in left] == [[1]] and [e["joined"] for e in joined] == [[1]], events
+    # its steps since its last round are lost (Lightning's global_step during the round of step 4k is 4k - 1)
+    assert left[0]["lost_since_step"] == (kill_after // TAU) * TAU - 1
     ends = [torch.load(tmp_path / f"replica{r}.pt", weights_only=True) for r in range(REPLICAS)]
     for end in ends[1:]:
         torch.testing.assert_close(end, ends[0], rtol=0, atol=1e-6)  # the restarted replica ends equal too
@@ -181,6 +192,18 @@ def test_replica_0_killed_at_the_last_step_still_hands_back_the_finished_model(t
     assert [e["point"] for e in events if e.get("joined")] == [f"{steps // TAU}.final/admit"]  # after the last round
     reference = _reference(events, killed={0: steps - 1})
     torch.testing.assert_close(flat_params(module.body), reference[1], rtol=0, atol=1e-6)
+
+
+def test_a_replica_back_before_the_last_round_joins_after_the_validation_that_follows_it(tmp_path):
+    # the round of the last step is followed by the epoch's validation, which a joiner restored at
+    # that step's end would not run as the others do: it joins at the end of training instead
+    steps = STEPS_PER_EPOCH * EPOCHS
+    validation = {"num_sanity_val_steps": 2, "val_check_interval": 5}
+    module = _fit(tmp_path, kill_after=steps - 2, max_restarts=1, validation=validation)
+    events = json.loads((tmp_path / "events0.json").read_text())
+    assert [e["point"].endswith(".final/admit") for e in events if e.get("joined")] == [True]
+    reference = _reference(events, killed={1: steps - 2})
+    torch.testing.assert_close(flat_params(module.body), reference[0], rtol=0, atol=1e-6)
 
 
 def test_without_restarts_the_others_finish_without_the_dead_replica(tmp_path):
