@@ -216,6 +216,13 @@ def recovery(kills: list[dict[str, Any]], log: Path) -> dict[str, Any]:
     return {"detected_s": detected, "rejoined_s": rejoined, "lost_steps": lost}
 
 
+def relative_paths(value: Any) -> Any:
+    """The results' paths relative to the repository (:func:`benchmarks.publish.relative_paths`)."""
+    from benchmarks.publish import relative_paths as relative
+
+    return relative(value)
+
+
 def _decode_once(args: argparse.Namespace) -> None:
     """Decode and cache the images before any timed run (the first run would pay for it alone)."""
     from lightning_hier.data import CIFAR10DataModule
@@ -308,7 +315,8 @@ def main(argv: list[str] | None = None) -> None:
     per_replica = math.ceil(math.ceil(args.train_size / args.replicas) / BATCH) * args.epochs
     table = report(rows, per_replica * args.replicas) if any(r["mode"] == "clean" for r in rows) else json.dumps(rows)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "runs": rows}, indent=1))
+    document = {"args": {k: str(v) for k, v in vars(args).items() if k not in ("run", "workdir", "out")}, "runs": rows}
+    args.out.write_text(json.dumps(relative_paths(document), indent=1))  # committed: no path of this machine
     print(table)
 
 
