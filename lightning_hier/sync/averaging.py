@@ -55,7 +55,15 @@ from lightning_hier.algorithms.two_level import LevelRounds
 from lightning_hier.comm import CommStats, all_reduce_mean_
 from lightning_hier.comm.collectives import Group
 from lightning_hier.sync.async_rounds import AsyncRounds
-from lightning_hier.sync.base import Binding, Sync, all_consensus, join_states, split_state
+from lightning_hier.sync.base import (
+    SAMPLE_WEIGHTS_PROBLEM,
+    Binding,
+    Sync,
+    all_consensus,
+    join_states,
+    regroup_all,
+    split_state,
+)
 from lightning_hier.sync.buckets import bucket_bytes, check_bucket_options
 from lightning_hier.sync.dbs_compose import SampleWeights
 from lightning_hier.sync.levels import Levels
@@ -262,7 +270,7 @@ class AveragingSync(Sync):
         if self.levels.enabled:
             return "two-level rounds keep groups per node; fault tolerance is for one flat group"
         if self.weights is not None:
-            return "DBS's sample weights follow every rank's share"
+            return SAMPLE_WEIGHTS_PROBLEM
         policy = self.policy()
         if isinstance(policy, ElasticCenter):
             return "EASGD's pull alpha = beta / W is fixed by the number of replicas at the start"
@@ -272,11 +280,7 @@ class AveragingSync(Sync):
 
     @override
     def regroup(self, groups: ProcessGroups, guard: RoundGuard) -> None:
-        assert self._binding is not None
-        self._binding.groups = groups
-        for algorithm in self.algorithms:
-            algorithm.regroup(self.levels.periodic_group(groups))
-            algorithm.guard = guard
+        regroup_all(self._binding, groups, self.levels.periodic_group(groups), self.algorithms, guard)
 
     def _new_policy(self) -> CenterPolicy:
         policy = self.policy()

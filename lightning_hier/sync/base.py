@@ -327,6 +327,25 @@ class Allocation:
         """Inverse of :meth:`state_dict`."""
 
 
+def regroup_all(
+    binding: Binding | None, groups: ProcessGroups, group: Any, algorithms: Sequence[Any], guard: Any
+) -> None:
+    """What :meth:`Sync.regroup` does for a rule of one algorithm per optimizer over one group.
+
+    Every algorithm runs over ``group`` (the live replicas' data group, of ``groups``) and its
+    collectives through ``guard`` (a :class:`~lightning_hier.algorithms.round_guard.RoundGuard`).
+    """
+    assert binding is not None, "bind() first"
+    binding.groups = groups
+    for algorithm in algorithms:
+        algorithm.regroup(group)
+        algorithm.guard = guard
+
+
+SAMPLE_WEIGHTS_PROBLEM = "DBS's sample weights follow every rank's share"
+"""Why a rule with DBS's sample weights cannot keep training when a replica fails."""
+
+
 # ---------------------------------------------------------------------------------- one algorithm per optimizer
 PER_OPTIMIZER = "per_optimizer"
 """State key of a rule with several optimizers (one algorithm state each); one optimizer's state is unwrapped."""

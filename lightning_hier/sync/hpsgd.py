@@ -29,7 +29,15 @@ from lightning_hier.algorithms.compression import COMPRESSIONS
 from lightning_hier.algorithms.hpsgd import HPSGD, MERGES, MODES, Merge
 from lightning_hier.algorithms.hpsgd_two_level import TwoLevelHPSGD
 from lightning_hier.algorithms.round_guard import RoundGuard
-from lightning_hier.sync.base import Binding, Sync, all_consensus, join_states, split_state
+from lightning_hier.sync.base import (
+    SAMPLE_WEIGHTS_PROBLEM,
+    Binding,
+    Sync,
+    all_consensus,
+    join_states,
+    regroup_all,
+    split_state,
+)
 from lightning_hier.sync.buckets import bucket_bytes, check_bucket_options
 from lightning_hier.sync.dbs_compose import SampleWeights
 from lightning_hier.sync.levels import Levels
@@ -153,17 +161,13 @@ class HPSGDSync(Sync):
         if self.compression in ("int8", "int4"):
             return f"compression={self.compression!r} splits the change into shards fixed by the number of replicas"
         if self.weights is not None:
-            return "DBS's sample weights follow every rank's share"
+            return SAMPLE_WEIGHTS_PROBLEM
         return None
 
     @override
     def regroup(self, groups: ProcessGroups, guard: RoundGuard) -> None:
-        assert self._binding is not None
-        self._binding.groups = groups
-        for algorithm in self.algorithms:
-            assert isinstance(algorithm, HPSGD)  # fault_tolerance_problem refuses two levels
-            algorithm.regroup(self.levels.periodic_group(groups))
-            algorithm.guard = guard
+        # one level only (fault_tolerance_problem refuses two): every algorithm is a flat HPSGD
+        regroup_all(self._binding, groups, self.levels.periodic_group(groups), self.algorithms, guard)
 
     @override
     def settle(self) -> None:
