@@ -8,8 +8,8 @@ behaviour of ``docs/guide/failures.md``. With it, each rank is a *replica* that 
   process (:class:`~lightning_hier.strategies._elastic_launcher.ElasticLauncher`), so no replica
   holds it; each replica beats on it (:mod:`lightning_hier.comm.membership`).
 - **Rounds.** Before every collective of the rule (a round, a consensus for validation, the final
-  round) the replicas agree on who is alive; if that changed, the default process group is built
-  again among the live replicas (members in replica order) and the rule's groups from it. The
+  round) the replicas agree on who is alive; if that changed, a gloo group is built among the live
+  replicas (members in replica order) on the coordination store, and the rule runs over it. The
   round then averages over the live replicas (GRAWA's weights over the live ones). A replica that
   dies during the round's collectives never votes to commit it, so the survivors put their
   replicas and the rule's state back as they were before the round and run it again without it:
@@ -28,9 +28,10 @@ behaviour of ``docs/guide/failures.md``. With it, each rank is a *replica* that 
 - **Data.** Each replica keeps its own shard of every epoch. The batches of a dead replica's shard
   between its death and its return are not trained (skipped, as torchft does); the joiner
   resumes its shard at the position of the replica that sent it the state.
-- **Lightning's collectives** during fit (``self.log(..., sync_dist=True)``, barriers, broadcasts)
-  run over the live replicas; one that fails because a replica died returns this replica's own
-  value (the next round rebuilds the group) instead of failing the fit.
+- **Lightning's collectives** during fit (``self.log(..., sync_dist=True)``, torchmetrics,
+  barriers, broadcasts) run on each replica alone: its default group is a group of one, so they
+  never wait for another replica (a restarted replica's set-up makes collectives the running
+  replicas never make).
 
 What it does not cover: rank 0 hosting the progress bar, loggers and checkpoint files is the
 replica with identity 0; while it is down, nothing is logged or written (the others train on).
@@ -192,15 +193,14 @@ class FaultTolerance:
         step = self.received.get("global_step")
         log.info("lightning_hier: replica %d rejoined at point %d (step %s)", membership.replica, self._point, step)
 
-    def live_checkpoint(self) -> dict[str, Any]:
-        """The checkpoint a restarted replica received (its fit loads it instead of a file)."""
+    def live_checkpoint(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The checkpoint a restarted replica received, and the sender's own state in it (its fit loads them)."""
         if self.received is None:
             raise RuntimeError(f"lightning_hier: {LIVE_CHECKPOINT!r} is only a ckpt_path of a restarted replica.")
         checkpoint, self.received = self.received, None
         state = checkpoint.pop(LIVE_STATE_KEY)
         state["rng"] = capture_rng()  # its own random stream: a copy of the sender's would repeat its dropout
-        checkpoint[LIVE_STATE_KEY] = state
-        return checkpoint
+        return checkpoint, state
 
     # ------------------------------------------------------------------ the rounds (RoundGuard)
     def run(self, algorithm: Undoable, collective: Callable[[], T], admit: bool) -> T:
@@ -240,8 +240,8 @@ class FaultTolerance:
     def _form(self, world: tuple[int, ...], point: str, regroup: bool = True) -> None:
         """Make ``world`` the live group (every replica in it calls this); the rule runs over it."""
         membership = self._require()
-        before = membership.world
-        group = membership.form_world(world, point, step=self._step())
+        before, step = membership.world, self._step()
+        group = membership.form_world(world, point, step=step)
         left = sorted(set(before) - set(world))
         if left:  # what the job lost: the replicas' steps since the last synchronisation they took part in
             membership.events[-1]["lost_since_step"] = self._synced_step
@@ -249,12 +249,15 @@ class FaultTolerance:
                 "lightning_hier: replica %d: replica(s) %s left at step %s; their steps since step %s are lost",
                 membership.replica,
                 left,
-                self._step(),
+                step,
                 self._synced_step,
             )
         topology = Topology(world_size=len(world))
-        rank = world.index(self._require().replica)
-        self.groups = ProcessGroups(topology, rank, topology.coords(rank), group, None, None, group, group, None)
+        rank = world.index(membership.replica)
+        # one flat data-parallel group of one node: the data group is the node's and its only level
+        self.groups = ProcessGroups(
+            topology, rank, topology.coords(rank), data=group, pipe=None, model=None, node=group, data_intra=group
+        )
         if regroup:
             assert self._strategy is not None
             self._strategy.sync.regroup(self.groups, self)
@@ -268,10 +271,9 @@ class FaultTolerance:
         (the same loop position): Lightning's own rule (``_should_check_val_fx``), taken
         conservatively (validation by time may come at any batch).
         """
-        module = self._strategy.lightning_module if self._strategy is not None else None
-        if module is None or module._trainer is None:
+        trainer = self._trainer()
+        if trainer is None:
             return False
-        trainer = module.trainer
         loop = trainer.fit_loop.epoch_loop
         if (
             loop.batch_progress.is_last_batch
@@ -289,8 +291,12 @@ class FaultTolerance:
 
     def _step(self) -> int | None:
         """The optimizer steps this replica has completed (``None`` outside fit): for the membership log."""
+        trainer = self._trainer()
+        return trainer.global_step if trainer is not None else None
+
+    def _trainer(self) -> pl.Trainer | None:
         module = self._strategy.lightning_module if self._strategy is not None else None
-        return module.trainer.global_step if module is not None and module._trainer is not None else None
+        return module.trainer if module is not None and module._trainer is not None else None
 
     def attach(self, strategy: HierStrategy) -> None:
         """The rule is bound: run its rounds over the live group, through this object, from now on."""
@@ -332,12 +338,13 @@ class FaultTolerance:
             self.donating = False
         buffer = io.BytesIO()
         torch.save(checkpoint, buffer)
+        payload = buffer.getvalue()
         for rank in range(len(admitted.members), len(admitted.world)):
-            _send_bytes(buffer.getvalue(), rank, self._live_groups().data)
+            _send_bytes(payload, rank, self._live_groups().data)
         log.info(
             "lightning_hier: replica %d sent its state (%d bytes) to %s in %.3f s",
             membership.replica,
-            buffer.tell(),
+            len(payload),
             list(admitted.joiners),
             time.monotonic() - started,
         )

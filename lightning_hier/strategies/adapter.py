@@ -67,7 +67,7 @@ from lightning_hier.strategies._checkpoint_file import read_checkpoint
 from lightning_hier.strategies._data_position import DataPosition
 from lightning_hier.strategies._elastic_launcher import ElasticLauncher
 from lightning_hier.strategies._failure import END_GRACE_S, FailureGuard
-from lightning_hier.strategies._fault_tolerance import LIVE_CHECKPOINT, LIVE_STATE_KEY, FaultTolerance
+from lightning_hier.strategies._fault_tolerance import LIVE_CHECKPOINT, FaultTolerance
 from lightning_hier.strategies._finite import FiniteGuard, loss_of, warn_if_not_finite
 from lightning_hier.strategies._launchers import _CheckedScriptLauncher
 from lightning_hier.strategies._registry import register_family
@@ -633,8 +633,7 @@ class HierStrategy(ParallelStrategy):
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         path = str(checkpoint_path)
         if path == LIVE_CHECKPOINT and self.fault_tolerance is not None:  # a restarted replica: a peer's state
-            checkpoint = self.fault_tolerance.live_checkpoint()
-            self._restored = checkpoint.pop(LIVE_STATE_KEY)
+            checkpoint, self._restored = self.fault_tolerance.live_checkpoint()
             return checkpoint
         load = super().load_checkpoint
         checkpoint = read_checkpoint(path, lambda: load(path, weights_only))
