@@ -3,7 +3,8 @@
 Each replica (one training process) keeps its own identity ``replica`` (0..replicas-1) for the
 whole job; the *world* is the set of live replicas that currently share a default process group.
 The coordination lives in a store that no replica hosts (the supervising launcher's
-``TCPStore``), so any replica may die without taking the store with it. Under that store:
+``TCPStore``, or :mod:`lightning_hier.coordinator`'s), so any replica may die without taking the
+store with it. Under that store:
 
 - ``hb/{replica}``: a counter each replica's heartbeat thread increments every ``heartbeat_s``.
   Replica ``j`` counts as dead once an observer has seen its counter stand still for
@@ -19,7 +20,10 @@ The coordination lives in a store that no replica hosts (the supervising launche
   it, and once that round commits its lowest member writes ``admit/{replica}/{incarnation}`` with
   the decision (the point and the new world), which the joiner waits for.
 - ``restarting/{replica}``: set by the launcher when it starts a replica again, cleared when that
-  replica asks to join; the end of training waits for it (:meth:`Membership.agree`'s ``restarting_s``).
+  replica asks to join; the end of training waits for it (:meth:`Membership.agree`'s
+  ``restarting_s``). A replica restarted by a launcher outside the job (torchrun) counts its own
+  starts in ``incarnation/{replica}`` instead, and the end of training waits for every absent
+  replica with restarts left.
 - ``vote/{point}/{replica}``: after a round's collectives every member votes whether they
   succeeded; the round counts (commits) only when every member voted yes. A member that died
   mid-round never votes, so the survivors undo the round and run it again among themselves
@@ -49,6 +53,8 @@ import torch.distributed as dist
 log = logging.getLogger(__name__)
 
 POLL_S = 0.005
+RUN_PREFIX = "lightning_hier/run"
+"""The store prefix of a run whose replicas meet on :mod:`lightning_hier.coordinator` (one run per coordinator)."""
 """Pause between two looks at the store while waiting (a round costs a few of them)."""
 
 
@@ -158,7 +164,13 @@ class Membership:
 
     # ------------------------------------------------------------------ agreement
     def agree(
-        self, point: str, expected: tuple[int, ...], admit: bool, wait_s: float | None = None, restarting_s: float = 0.0
+        self,
+        point: str,
+        expected: tuple[int, ...],
+        admit: bool,
+        wait_s: float | None = None,
+        restarting_s: float = 0.0,
+        max_restarts: int | None = None,
     ) -> Decision:
         """Arrive at ``point`` and return its decision (the same on every replica).
 
@@ -171,6 +183,9 @@ class Membership:
                 the replicas that beat, at most ``timeout``.
             restarting_s: Also wait this long for replicas the launcher is restarting to ask to
                 join (the end of training: the last chance to hand them the model).
+            max_restarts: Replicas restarted by a launcher outside the job (torchrun), which marks
+                nothing: with ``restarting_s``, also wait for every absent replica that has not
+                used its restarts (it counts its starts in ``incarnation/{replica}``).
         """
         self.store.set(f"arrive/{point}/{self.replica}", "1")
         wait_all = wait_s is not None
@@ -183,12 +198,19 @@ class Membership:
             arrived = tuple(j for j in expected if self.store.check([f"arrive/{point}/{j}"]))
             pending = [j for j in expected if j not in arrived and (wait_all or self._coming(j))]
             if restarting_s and time.monotonic() < started + restarting_s:
-                pending += [j for j in range(self.replicas) if self.store.check([f"restarting/{j}"])]
+                pending += [j for j in range(self.replicas) if self._restarting(j, arrived, max_restarts)]
             if not pending or time.monotonic() > deadline:
                 joiners = self._joiners(arrived) if admit else ()
                 mine = Decision(point, tuple(sorted(arrived)), joiners)
                 return Decision.decode(self.store.compare_set(key, "", mine.encode()))
             time.sleep(POLL_S)
+
+    def _restarting(self, replica: int, arrived: tuple[int, ...], max_restarts: int | None) -> bool:
+        if self.store.check([f"restarting/{replica}"]):
+            return True  # the launcher's mark
+        if max_restarts is None or replica in arrived or self.store.check([f"join/{replica}"]):
+            return False
+        return self.store.add(f"incarnation/{replica}", 0) <= max_restarts
 
     def _coming(self, replica: int) -> bool:
         """Whether an expected replica that has not arrived may still come (it beats, and it is not a restart)."""
@@ -216,7 +238,7 @@ class Membership:
         deadline = time.monotonic() + deadline_s
         while not self.store.check([key]):
             if self.store.check(["finished"]):
-                raise JoinRefused("the other replicas finished training before this one could join")
+                raise TrainingFinished("the other replicas finished training before this one could join")
             if time.monotonic() > deadline:
                 raise JoinRefused(f"no round admitted it within {deadline_s:g} s")
             time.sleep(POLL_S * 10)
@@ -266,6 +288,10 @@ class Membership:
 
 class JoinRefused(RuntimeError):
     """A restarted replica could not join (training finished, or no round came in time)."""
+
+
+class TrainingFinished(JoinRefused):
+    """A restarted replica came back after the others had finished training."""
 
 
 def replica_store(address: str, port: int, prefix: str, timeout: timedelta) -> dist.Store:

@@ -33,14 +33,12 @@ from typing_extensions import override
 
 from lightning_hier.comm.membership import EXIT_REJOIN
 from lightning_hier.comm.rendezvous import listen
-from lightning_hier.strategies._fault_tolerance import LIVE_CHECKPOINT, FaultTolerance
+from lightning_hier.strategies._fault_tolerance import FaultTolerance, live_fit_args
 from lightning_hier.strategies._launchers import _ReportingLauncher
 
 log = logging.getLogger(__name__)
 
 POLL_S = 0.05
-FIT_CKPT_ARG = 4
-"""Position of ``ckpt_path`` in the arguments of ``Trainer._fit_impl`` (Lightning 2.6)."""
 
 
 class ElasticLauncher(_ReportingLauncher):
@@ -79,7 +77,7 @@ class ElasticLauncher(_ReportingLauncher):
             fault.incarnation = incarnation
             fit_args = args
             if incarnation > 0 and trainer is not None and trainer.state.fn == TrainerFn.FITTING:
-                fit_args = (*args[:FIT_CKPT_ARG], LIVE_CHECKPOINT, *args[FIT_CKPT_ARG + 1 :])
+                fit_args = live_fit_args(args)
             process = context.Process(  # type: ignore[attr-defined]  # every start method's context has it
                 target=self._wrapping_function,
                 args=(index, trainer, function, fit_args, kwargs, return_queue, *extra),

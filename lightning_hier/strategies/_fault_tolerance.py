@@ -56,7 +56,15 @@ from typing_extensions import override
 
 from lightning_hier import _validate as v
 from lightning_hier.comm import is_communication_error
-from lightning_hier.comm.membership import Decision, JoinRefused, Membership, exit_excluded, replica_store
+from lightning_hier.comm.membership import (
+    RUN_PREFIX,
+    Decision,
+    JoinRefused,
+    Membership,
+    TrainingFinished,
+    exit_excluded,
+    replica_store,
+)
 from lightning_hier.rng import capture_rng
 from lightning_hier.topology import ProcessGroups, Topology
 
@@ -76,6 +84,7 @@ LIVE_STATE_KEY = "lightning_hier_live"
 POINT_KEY = "lightning_hier_point"
 """Where the sent checkpoint holds the sequence number of the next synchronisation point."""
 START_METHODS = ("spawn", "fork")
+FIT_CKPT_ARG = 4
 
 
 @dataclass
@@ -84,23 +93,39 @@ class FaultTolerance:
 
     Args:
         max_restarts: How many times the launcher restarts each replica (0: a dead replica stays
-            dead and the others finish without it).
+            dead and the others finish without it). With ``coordinator``, the same number as
+            torchrun's ``--max-restarts``: the end of training waits (up to ``init_timeout``) for
+            a dead replica that has restarts left.
         heartbeat_s: Seconds between two heartbeats of a replica.
         dead_after_s: Seconds without a heartbeat after which a replica counts as dead. A replica
             that still beats but does not reach a round (hung) is dropped after the strategy's
             ``timeout``.
+        coordinator: ``"host:port"`` of a coordination store started apart from the replicas
+            (``python -m lightning_hier.coordinator``): each replica is then its own job of one
+            process, started and restarted by torchrun (``--max-restarts``) or any other launcher,
+            instead of the fork / spawn launcher. ``None`` (default): the fork / spawn launcher
+            hosts the store and restarts replicas itself.
+        replica: With ``coordinator``: this replica's identity, ``0 <= replica < replicas`` (the
+            same after every restart; it picks the replica's data shard, and replica 0 logs and
+            writes checkpoints).
+        replicas: With ``coordinator``: how many replicas the job has.
 
     Example:
         >>> from lightning_hier.strategies import FaultTolerance, LocalSGDStrategy
         >>> strategy = LocalSGDStrategy(tau=8, start_method="fork", fault_tolerance=FaultTolerance(max_restarts=5))
+        >>> one_of_three = FaultTolerance(coordinator="10.0.0.1:29600", replica=0, replicas=3)  # under torchrun
     """
 
     max_restarts: int = 3
     heartbeat_s: float = 0.2
     dead_after_s: float = 2.0
+    coordinator: str | None = None
+    replica: int | None = None
+    replicas: int | None = None
     # set by the launcher before each replica starts (copied into it by fork, pickled by spawn)
     store_port: int = field(default=0, repr=False)
     store_prefix: str = field(default="", repr=False)
+    coordinator_host: str = field(default="", init=False, repr=False)
     incarnation: int = field(default=0, repr=False)
     # this replica's runtime state
     membership: Membership | None = field(default=None, init=False, repr=False)
@@ -121,6 +146,28 @@ class FaultTolerance:
         self.dead_after_s = v.check_float(
             owner, "dead_after_s", self.dead_after_s, low=2 * self.heartbeat_s, high=3600.0
         )
+        if self.coordinator is None:
+            if self.replica is not None or self.replicas is not None:
+                raise ValueError(
+                    f"{owner}: arguments `replica` and `replicas` name a replica started apart from the others, "
+                    f"which needs `coordinator` ('host:port'), got coordinator=None, replica={self.replica!r}, "
+                    f"replicas={self.replicas!r}."
+                )
+            return
+        self.coordinator_host, self.store_port = _host_port(owner, self.coordinator)
+        self.store_prefix = RUN_PREFIX
+        if self.replicas is None or self.replica is None:
+            raise ValueError(
+                f"{owner}: argument `coordinator` needs this replica's `replica` and the job's `replicas`, "
+                f"got replica={self.replica!r}, replicas={self.replicas!r}."
+            )
+        self.replicas = v.check_int(owner, "replicas", self.replicas, minimum=1)
+        self.replica = v.check_int(owner, "replica", self.replica, minimum=0, maximum=self.replicas - 1)
+
+    @property
+    def external(self) -> bool:
+        """Whether each replica is its own job (torchrun, SLURM) meeting the others on ``coordinator``."""
+        return self.coordinator is not None
 
     @staticmethod
     def of(owner: str, value: FaultTolerance | Mapping[str, Any] | bool | None) -> FaultTolerance | None:
@@ -138,14 +185,28 @@ class FaultTolerance:
             f"got {value!r}."
         )
 
-    def check(self, owner: str, problem: str | None, start_method: str, num_nodes: int) -> None:
+    def check(self, owner: str, problem: str | None, start_method: str, num_nodes: int, processes: int = 1) -> None:
         """Refuse, before any rank starts, what the fault-tolerant mode cannot run."""
         if problem is not None:
             raise ValueError(f"{owner}: argument `fault_tolerance` cannot be used here: {problem}.")
+        if self.external:
+            if start_method != "popen":
+                raise ValueError(
+                    f"{owner}: argument `fault_tolerance` with a `coordinator` runs each replica as its own job "
+                    f"(torchrun, SLURM), which needs start_method='popen', got start_method={start_method!r}."
+                )
+            if num_nodes * processes != 1:
+                raise ValueError(
+                    f"{owner}: argument `fault_tolerance` with a `coordinator` runs one process per replica "
+                    f"(devices=1, num_nodes=1; torchrun --nproc-per-node=1), got devices={processes}, "
+                    f"num_nodes={num_nodes}."
+                )
+            return
         if start_method not in START_METHODS:
             raise ValueError(
                 f"{owner}: argument `fault_tolerance` needs start_method in {START_METHODS} (its launcher restarts "
-                f"failed replicas and hosts their coordination store), got start_method={start_method!r}."
+                f"failed replicas and hosts their coordination store), or a `coordinator` for replicas started "
+                f"by torchrun, got start_method={start_method!r}."
             )
         if num_nodes != 1:
             raise ValueError(
@@ -153,6 +214,21 @@ class FaultTolerance:
             )
 
     # ------------------------------------------------------------------ start
+    def claim_incarnation(self, timeout: timedelta) -> int:
+        """A replica started apart from the others: which start of it this is (0: the job's first).
+
+        Counted in the coordinator's store (``incarnation/{replica}``), so it does not matter what
+        restarted the replica; the end of training reads the counts to know who may still come back.
+        A restart also marks itself as coming until it asks to join (the count alone would say
+        its restarts are used up while it is starting).
+        """
+        assert self.external and self.replica is not None
+        store = replica_store(self.coordinator_host, self.store_port, self.store_prefix, timeout)
+        self.incarnation = int(store.add(f"incarnation/{self.replica}", 1)) - 1
+        if self.incarnation > 0:
+            store.set(f"restarting/{self.replica}", "1")
+        return self.incarnation
+
     def connect(self, strategy: HierStrategy, init_timeout: timedelta) -> None:
         """Join the job (``setup_environment``): every replica at the start, or a restarted one through a peer."""
         self._strategy = strategy
@@ -183,6 +259,8 @@ class FaultTolerance:
         membership.start(beats)
         try:
             decision = membership.wait_admission(self.incarnation, init_timeout.total_seconds())
+        except TrainingFinished:
+            raise  # nothing left to train: its launcher ends it (ReplicaLauncher: cleanly)
         except JoinRefused as err:
             raise RuntimeError(f"lightning_hier: replica {membership.replica} could not rejoin: {err}.") from err
         self._form(decision.world, f"{decision.point}/admit", regroup=False)
@@ -362,7 +440,10 @@ class FaultTolerance:
         if membership is None or self._strategy is None:
             return
         wait_s = self._strategy._init_timeout.total_seconds()
-        decision = membership.agree(f"{self._point}.final", self._expected, admit=True, restarting_s=wait_s)
+        restarts = self.max_restarts if self.external else None  # torchrun's restarts are not marked
+        decision = membership.agree(
+            f"{self._point}.final", self._expected, admit=True, restarting_s=wait_s, max_restarts=restarts
+        )
         if decision.joiners:
             if membership.replica == decision.members[0]:
                 membership.admit(decision)
@@ -400,6 +481,21 @@ class _SendState(Callback):
 
 
 # ---------------------------------------------------------------------------------- helpers
+def live_fit_args(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """``Trainer._fit_impl``'s arguments with ``ckpt_path`` (the fifth, Lightning 2.6) as :data:`LIVE_CHECKPOINT`."""
+    return (*args[:FIT_CKPT_ARG], LIVE_CHECKPOINT, *args[FIT_CKPT_ARG + 1 :])
+
+
+def _host_port(owner: str, address: str) -> tuple[str, int]:
+    host, sep, port = str(address).rpartition(":")
+    if sep and host and port.isdigit() and 0 < int(port) < 65536:
+        return host.strip("[]"), int(port)
+    raise ValueError(
+        f"{owner}: argument `coordinator` must be 'host:port' (the address of `python -m lightning_hier.coordinator`), "
+        f"got {address!r}."
+    )
+
+
 def _lost_peer(err: BaseException) -> bool:
     """Whether a collective failed because a replica was lost.
 

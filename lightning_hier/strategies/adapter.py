@@ -71,6 +71,7 @@ from lightning_hier.strategies._fault_tolerance import LIVE_CHECKPOINT, FaultTol
 from lightning_hier.strategies._finite import FiniteGuard, loss_of, warn_if_not_finite
 from lightning_hier.strategies._launchers import _CheckedScriptLauncher
 from lightning_hier.strategies._registry import register_family
+from lightning_hier.strategies._replica_launcher import ReplicaEnvironment, ReplicaLauncher
 from lightning_hier.strategies._shared_queue import check_shared_trainer
 from lightning_hier.strategies._step_sync import local_sigterm_check
 from lightning_hier.sync import Allocation, Binding, SpeedShares, Sync
@@ -120,7 +121,8 @@ class HierStrategy(ParallelStrategy):
             (:class:`~lightning_hier.strategies.FaultTolerance`, its arguments as a mapping, or
             ``True`` for its defaults);
             periodic rules only (``localsgd``, the GRAWA family, ``hpsgd``), with ``start_method`` ``'fork'``
-            or ``'spawn'``. ``None`` (default): a failure ends the run.
+            or ``'spawn'``, or with a ``coordinator`` and one process per replica under torchrun.
+            ``None`` (default): a failure ends the run.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin:
             Set by the Trainer; as in Lightning's own strategies.
     """
@@ -164,6 +166,14 @@ class HierStrategy(ParallelStrategy):
         self.fault_tolerance = FaultTolerance.of(owner, fault_tolerance)
         if self.fault_tolerance is not None:
             self.fault_tolerance.check(owner, self.sync.fault_tolerance_problem(), self._start_method, 1)
+            if self.fault_tolerance.external:
+                if cluster_environment is not None:
+                    raise ValueError(
+                        f"{owner}: argument `fault_tolerance` with a `coordinator` sets the cluster environment "
+                        f"(replica {self.fault_tolerance.replica} of {self.fault_tolerance.replicas}), "
+                        f"got cluster_environment={cluster_environment!r} too."
+                    )
+                self.cluster_environment = ReplicaEnvironment(self.fault_tolerance)
         self.comm_stats = CommStats()
         self.data_position = DataPosition()
         self.last_metrics: dict[str, float] = {}
@@ -194,6 +204,9 @@ class HierStrategy(ParallelStrategy):
     @property
     def topology(self) -> Topology:
         """The validated rank layout (pure arithmetic; available before processes start)."""
+        fault = self.fault_tolerance
+        if fault is not None and fault.replicas is not None:  # each replica a job of one process (torchrun)
+            return Topology(world_size=fault.replicas, **self._layout())
         return Topology(world_size=self.num_nodes * self.num_processes, num_nodes=self.num_nodes, **self._layout())
 
     @property
@@ -254,8 +267,12 @@ class HierStrategy(ParallelStrategy):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         self._check_layout()  # in the main process, before any rank starts
-        if self.fault_tolerance is not None:
-            self.fault_tolerance.check(type(self).__name__, None, self._start_method, self.num_nodes)
+        fault = self.fault_tolerance
+        if fault is not None:
+            fault.check(type(self).__name__, None, self._start_method, self.num_nodes, self.num_processes)
+        if fault is not None and fault.external:
+            self._launcher = ReplicaLauncher(self, check=self.check_fit_arguments)
+        elif fault is not None:
             grace_s = min(END_GRACE_S, self.guard.timeout_s())
             self._launcher = ElasticLauncher(self, self._start_method, grace_s=grace_s, check=self.check_fit_arguments)
         elif self._start_method == "popen":

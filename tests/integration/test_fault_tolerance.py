@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -25,6 +27,7 @@ from lightning_hier.strategies import FaultTolerance, GrawaStrategy, HPSGDStrate
 from tests.fault_tolerance_reference import simulate, simulate_hpsgd
 from tests.helpers import flat_params, trainer
 
+ROOT = Path(__file__).resolve().parents[2]
 REPLICAS, SAMPLES, FEATURES, CLASSES, BATCH, TAU, EPOCHS = 3, 240, 6, 3, 8, 4, 2
 STEPS_PER_EPOCH = SAMPLES // REPLICAS // BATCH  # 10
 
@@ -47,10 +50,11 @@ def _optimizer(model: nn.Module) -> torch.optim.Optimizer:
 class _Net(pl.LightningModule):
     """A user's module (its network under ``body``) that kills its own replica after ``kill_after`` steps."""
 
-    def __init__(self, kill_replica: int, kill_after: int, in_round: bool = False) -> None:
+    def __init__(self, kill_replica: int, kill_after: int, in_round: bool = False, step_s: float = 0.0) -> None:
         super().__init__()
         self.body = _model()
         self.kill_replica, self.kill_after, self.in_round = kill_replica, kill_after, in_round
+        self.step_s = step_s  # a slower step: a restart that takes seconds comes back during training
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         fault = self.trainer.strategy.fault_tolerance
@@ -60,6 +64,7 @@ class _Net(pl.LightningModule):
             self.trainer.strategy.sync.algorithm.sync = lambda *_: os.kill(os.getpid(), signal.SIGKILL)
         elif doomed and not self.in_round and self.trainer.global_step == self.kill_after:
             os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(self.step_s)
         x, y = batch
         loss = nn.functional.cross_entropy(self.body(x), y)
         self.log("loss", loss, sync_dist=True)  # Lightning's collective: this replica's own value
@@ -79,11 +84,11 @@ class _Record(Callback):
     def __init__(self, out: Path) -> None:
         self.out = out
 
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        torch.save(flat_params(pl_module), self.out / f"replica{trainer.global_rank}.pt")
-
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        fault = trainer.strategy.fault_tolerance  # after the strategy's own end of training (its last admission)
+        # after the strategy's own end of training (its last admission); a replica admitted there
+        # restores a finished loop, whose training hooks (on_train_end) do not run
+        torch.save(flat_params(pl_module), self.out / f"replica{trainer.global_rank}.pt")
+        fault = trainer.strategy.fault_tolerance
         events = fault.membership.events if fault.membership is not None else []
         (self.out / f"events{trainer.global_rank}.json").write_text(json.dumps(events))
 
@@ -96,14 +101,18 @@ def _fit(
     cls: type = LocalSGDStrategy,
     kill_replica: int = 1,
     validation: dict[str, Any] | None = None,
+    replica: dict[str, Any] | None = None,
+    step_s: float = 0.0,
     **kwargs: Any,
 ) -> _Net:
+    """A fit of every replica with the fork launcher, or (``replica``: its identity and coordinator) of one."""
     validation = validation or {}
-    module = _Net(kill_replica=kill_replica, kill_after=kill_after, in_round=in_round)
-    fault = FaultTolerance(max_restarts=max_restarts, dead_after_s=1.0)
+    module = _Net(kill_replica=kill_replica, kill_after=kill_after, in_round=in_round, step_s=step_s)
+    fault = FaultTolerance(max_restarts=max_restarts, dead_after_s=1.0, **(replica or {}))
     period = kwargs or {"tau": TAU}
-    strategy = cls(**period, start_method="fork", timeout=60, fault_tolerance=fault)
-    t = trainer(strategy=strategy, devices=REPLICAS, max_epochs=EPOCHS, callbacks=[_Record(tmp_path)], **validation)
+    start_method, devices = ("popen", 1) if fault.external else ("fork", REPLICAS)
+    strategy = cls(**period, start_method=start_method, timeout=60, fault_tolerance=fault)
+    t = trainer(strategy=strategy, devices=devices, max_epochs=EPOCHS, callbacks=[_Record(tmp_path)], **validation)
     t.fit(module, DataLoader(_data(), batch_size=BATCH), DataLoader(_data(), batch_size=BATCH) if validation else None)
     return module
 
@@ -216,6 +225,49 @@ def test_without_restarts_the_others_finish_without_the_dead_replica(tmp_path):
     torch.testing.assert_close(flat_params(module.body), reference[0], rtol=0, atol=1e-6)
 
 
+def test_under_torchrun_each_replica_its_own_job_a_killed_one_is_restarted_rejoins_and_equals_the_reference(
+    tmp_path,
+):
+    kill_after = 2
+    coordinator = subprocess.Popen(
+        [sys.executable, "-m", "lightning_hier.coordinator", "--port", "0", "--linger-s", "1"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    jobs: list[subprocess.Popen[str]] = []
+    try:
+        address = coordinator.stdout.readline().split()[-1]  # type: ignore[union-attr]
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1"]
+        torchrun += ["--max-restarts=1", "--monitor-interval=0.1", "-m", "tests.integration.torchrun_replica"]
+        torchrun += [f"--coordinator={address}", f"--kill-after={kill_after}", f"--out={tmp_path}"]
+        jobs += [
+            subprocess.Popen(
+                [*torchrun, f"--replica={i}"],
+                env=env,
+                cwd=ROOT,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for i in range(REPLICAS)
+        ]
+        outputs = [job.communicate(timeout=120)[0] for job in jobs]
+        for i, job in enumerate(jobs):
+            assert job.returncode == 0, f"replica {i}:\n{outputs[i][-4000:]}"
+        assert coordinator.wait(timeout=30) == 0  # it ends once training finished
+    finally:
+        for process in (*jobs, coordinator):
+            process.kill()
+    events = json.loads((tmp_path / "events0.json").read_text())
+    assert [e["left"] for e in events if e.get("left")] == [[1]], events
+    assert [e["joined"] for e in events if e.get("joined")] == [[1]], events  # in training, or at its end if late
+    ends = [torch.load(tmp_path / f"replica{r}.pt", weights_only=True) for r in range(REPLICAS)]
+    for end in ends[1:]:
+        torch.testing.assert_close(end, ends[0], rtol=0, atol=1e-6)
+    torch.testing.assert_close(ends[0], _reference(events, killed={1: kill_after})[0], rtol=0, atol=1e-6)
+
+
 def test_bad_fault_tolerance_arguments_are_refused_before_any_process_starts():
     with pytest.raises(ValueError, match=r"fault_tolerance.*start_method.*'popen'"):
         LocalSGDStrategy(fault_tolerance=True)
@@ -225,3 +277,16 @@ def test_bad_fault_tolerance_arguments_are_refused_before_any_process_starts():
         FaultTolerance(max_restarts=-1)
     with pytest.raises(ValueError, match=r"fault_tolerance.*'yes'"):
         LocalSGDStrategy(start_method="fork", fault_tolerance="yes")
+    with pytest.raises(ValueError, match=r"`coordinator` must be 'host:port'.*'localhost'"):
+        FaultTolerance(coordinator="localhost", replica=0, replicas=2)
+    with pytest.raises(ValueError, match=r"`coordinator` needs .*replica=None"):
+        FaultTolerance(coordinator="localhost:29600", replicas=2)
+    with pytest.raises(ValueError, match=r"`replica` must be .*got 2"):
+        FaultTolerance(coordinator="localhost:29600", replica=2, replicas=2)
+    with pytest.raises(ValueError, match=r"`replica` and `replicas` .* needs `coordinator`"):
+        FaultTolerance(replica=0, replicas=2)
+    external = {"coordinator": "localhost:29600", "replica": 0, "replicas": 2}
+    with pytest.raises(ValueError, match=r"needs start_method='popen', got start_method='fork'"):
+        LocalSGDStrategy(start_method="fork", fault_tolerance=external)
+    with pytest.raises(ValueError, match=r"one process per replica .*got devices=2"):
+        trainer(strategy=LocalSGDStrategy(fault_tolerance=external), devices=2)
