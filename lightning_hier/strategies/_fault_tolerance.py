@@ -175,7 +175,10 @@ class FaultTolerance:
         if isinstance(value, FaultTolerance):
             return value
         if isinstance(value, Mapping) and value:
-            return FaultTolerance(**{str(k): v for k, v in value.items()})
+            try:
+                return FaultTolerance(**{str(k): v for k, v in value.items()})
+            except (TypeError, ValueError) as err:  # from Hydra: say which strategy's argument it was
+                raise ValueError(f"{owner}: {err}") from None
         if value is None or value is False:
             return None
         if value is True:
