@@ -1,14 +1,17 @@
 """Chaos run: a replica killed every few seconds, fault tolerance against kill-relaunch-resume, in one invocation.
 
 Three fits of the same CIFAR-10 MLP with Local SGD on ``--replicas`` forked ranks, each in its own
-subprocess (``python -m benchmarks.studies.chaos --run MODE``):
+subprocess (``python -m benchmarks.studies.chaos --fit MODE``):
 
 - ``clean``: ``fault_tolerance`` on, nothing killed (the reference wall time and accuracy);
 - ``tolerant``: ``fault_tolerance`` on; every ``--kill-every`` seconds one replica (round-robin,
   replica 0 included) gets SIGKILL; the launcher restarts it and it rejoins through a peer;
 - ``relaunch``: today's path without the option: checkpoints every ``--checkpoint-every`` steps
   (``last.ckpt``); the same kills end the run (fail fast), and the driver starts it again from
-  ``last.ckpt`` until it completes.
+  ``last.ckpt`` until it completes;
+- ``torchrun``: as ``tolerant``, but each replica is its own ``torchrun --max-restarts`` job of
+  one process, meeting the others on ``python -m lightning_hier.coordinator``: torchrun restarts
+  a killed replica (a new Python process), not the fork launcher.
 
 Each replica writes its PID to the run's directory when it starts (a callback), so the driver
 kills replicas, never the launching process. Reported per run: wall time, kills, test accuracy of
@@ -16,7 +19,7 @@ the model the fit returned, and the wall time lost per failure against ``clean``
 
     python -m benchmarks.studies.chaos --replicas 3 --kill-every 20 --epochs 8 --train-size 20000
 
-Writes ``--out`` (JSON) and prints a table. CPU only; takes about three times the clean fit.
+Writes ``--out`` (JSON) and prints a table. CPU only; takes about five times the clean fit.
 """
 
 from __future__ import annotations
@@ -40,13 +43,14 @@ from typing import Any
 from typing_extensions import override
 
 REPO = Path(__file__).resolve().parents[2]
-MODES = ("clean", "tolerant", "relaunch")
+MODES = ("clean", "tolerant", "relaunch", "torchrun")
+TOLERANT = ("tolerant", "torchrun")
 BATCH = 64
 
 
 # ---------------------------------------------------------------------------------- one fit (a subprocess)
-def fit(args: argparse.Namespace) -> dict[str, Any]:
-    """One fit of ``args.run`` in this process; its replicas are forked children."""
+def fit(args: argparse.Namespace) -> dict[str, Any] | None:
+    """One fit of ``args.run`` in this process: its replicas are forked children, or it is one (torchrun)."""
     import lightning.pytorch as pl
     import torch
     from lightning.pytorch.callbacks import Callback, ModelCheckpoint
@@ -73,9 +77,13 @@ def fit(args: argparse.Namespace) -> dict[str, Any]:
     pl.seed_everything(0, verbose=False)
     data = CIFAR10DataModule(root=str(args.data_root), train_size=args.train_size, batch_size=BATCH, augment=False)
     model = Classifier(mlp((3, 32, 32), 10, hidden=(512, 512)), 10, lr=0.05, momentum=0.9)
-    tolerant = args.run != "relaunch"
+    tolerant, external = args.run != "relaunch", args.run == "torchrun"
     fault = FaultTolerance(max_restarts=1000, dead_after_s=2.0) if tolerant else None
-    strategy = LocalSGDStrategy(tau=8, start_method="fork", timeout=60, fault_tolerance=fault)
+    if external:  # one replica of the job, started (and restarted) by torchrun
+        identity = {"coordinator": args.coordinator, "replica": args.replica, "replicas": args.replicas}
+        fault = FaultTolerance(max_restarts=1000, dead_after_s=2.0, **identity)
+    start_method, devices = ("popen", 1) if external else ("fork", args.replicas)
+    strategy = LocalSGDStrategy(tau=8, start_method=start_method, timeout=60, fault_tolerance=fault)
     callbacks: list[Callback] = [PidFile()]
     if not tolerant:
         callbacks.append(
@@ -84,7 +92,7 @@ def fit(args: argparse.Namespace) -> dict[str, Any]:
     trainer = pl.Trainer(
         strategy=strategy,
         accelerator="cpu",
-        devices=args.replicas,
+        devices=devices,
         max_epochs=args.epochs,
         logger=False,
         enable_progress_bar=False,
@@ -96,6 +104,8 @@ def fit(args: argparse.Namespace) -> dict[str, Any]:
     )
     last = workdir / "ckpt" / "last.ckpt"
     trainer.fit(model, datamodule=data, ckpt_path=str(last) if last.exists() else None)
+    if trainer.global_rank != 0:
+        return None  # under torchrun every replica's fit returns; replica 0 reports
     data.setup("test")
     model.eval()
     correct = total = 0
@@ -159,7 +169,7 @@ def run_mode(mode: str, args: argparse.Namespace, root: Path) -> dict[str, Any]:
     workdir = root / mode
     shutil.rmtree(workdir, ignore_errors=True)  # never resume from another invocation's checkpoint
     workdir.mkdir(parents=True)
-    command = [sys.executable, "-m", "benchmarks.studies.chaos", "--run", mode, "--workdir", str(workdir)]
+    command = [sys.executable, "-m", "benchmarks.studies.chaos", "--fit", mode, "--workdir", str(workdir)]
     command += _shared_args(args)
     started = time.monotonic()
     launches = 0
@@ -169,9 +179,12 @@ def run_mode(mode: str, args: argparse.Namespace, root: Path) -> dict[str, Any]:
     with killer if mode != "clean" else _Nothing():
         while True:
             launches += 1
-            code = subprocess.call(
-                command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=workdir.joinpath("stderr.log").open("a")
-            )
+            if mode == "torchrun":
+                code = _torchrun(command, args.replicas, workdir / "stderr.log")
+            else:
+                code = subprocess.call(
+                    command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=workdir.joinpath("stderr.log").open("a")
+                )
             if code == 0:
                 break
             if mode != "relaunch" or launches > 100:
@@ -180,9 +193,34 @@ def run_mode(mode: str, args: argparse.Namespace, root: Path) -> dict[str, Any]:
     out = json.loads(result_file.read_text())
     kills = killer.kills if mode != "clean" else []
     row = {"mode": mode, "wall_s": round(wall, 1), "launches": launches, "kills": kills, **out}
-    if mode == "tolerant":
+    if mode in TOLERANT:
         row.update(recovery(kills, workdir / "stderr.log"))
     return row
+
+
+def _torchrun(command: list[str], replicas: int, log: Path) -> int:
+    """Run ``command``'s fit as ``replicas`` torchrun jobs meeting on a coordinator; the worst exit status."""
+    coordinator = subprocess.Popen(
+        [sys.executable, "-m", "lightning_hier.coordinator", "--port", "0", "--linger-s", "1"],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    jobs: list[subprocess.Popen[Any]] = []
+    try:
+        address = coordinator.stdout.readline().split()[-1]  # type: ignore[union-attr]  # "... listening on H:P"
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1"]
+        torchrun += ["--max-restarts=100", "--monitor-interval=0.1", "-m", "benchmarks.studies.chaos"]
+        for replica in range(replicas):
+            argv = [*torchrun, *command[3:], "--coordinator", address, "--replica", str(replica)]
+            jobs.append(subprocess.Popen(argv, cwd=REPO, stdout=subprocess.DEVNULL, stderr=log.open("a")))
+        codes = [job.wait() for job in jobs]
+        coordinator.wait(timeout=120)
+        return max(codes, key=abs)
+    finally:
+        for process in [*jobs, coordinator]:
+            if process.poll() is None:
+                process.kill()
 
 
 LEFT = re.compile(
@@ -249,7 +287,7 @@ def _shared_args(args: argparse.Namespace) -> list[str]:
 
 
 def report(rows: list[dict[str, Any]], replica_steps: int | None = None) -> str:
-    """The table: wall time and its loss per failure against ``clean``; for ``tolerant`` also the median
+    """The table: wall time and its loss per failure against ``clean``; for ``tolerant`` (and ``torchrun``) the median
     seconds to go on without a killed replica and to take it back, and the training steps lost per
     failure (with ``replica_steps``, the steps of all replicas in a clean fit: their share)."""
     clean = next(r for r in rows if r["mode"] == "clean")
@@ -286,8 +324,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--data-root", type=Path, default=None, help="CIFAR-10 source (default: shared/datasets)")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     parser.add_argument("--out", type=Path, default=Path("/tmp/lightning-hier-chaos/chaos.json"))
-    parser.add_argument("--run", choices=MODES, help=argparse.SUPPRESS)  # one fit, in a subprocess
+    # one fit, in a subprocess (not "--run": torchrun, which parses the arguments too, has --run-path)
+    parser.add_argument("--fit", dest="run", choices=MODES, help=argparse.SUPPRESS)
     parser.add_argument("--workdir", help=argparse.SUPPRESS)
+    parser.add_argument("--coordinator", help=argparse.SUPPRESS)  # torchrun: the replica's coordinator
+    parser.add_argument("--replica", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     for name in ("replicas", "epochs", "train_size", "checkpoint_every"):
         if getattr(args, name) < 1:
@@ -307,7 +348,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
     if args.run is not None:
         result = fit(args)
-        Path(args.workdir, "result.json").write_text(json.dumps(result))
+        if result is not None:
+            Path(args.workdir, "result.json").write_text(json.dumps(result))
         return
     root = args.out.parent / "runs"
     _decode_once(args)
@@ -315,7 +357,8 @@ def main(argv: list[str] | None = None) -> None:
     per_replica = math.ceil(math.ceil(args.train_size / args.replicas) / BATCH) * args.epochs
     table = report(rows, per_replica * args.replicas) if any(r["mode"] == "clean" for r in rows) else json.dumps(rows)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    document = {"args": {k: str(v) for k, v in vars(args).items() if k not in ("run", "workdir", "out")}, "runs": rows}
+    hidden = ("run", "workdir", "out", "coordinator", "replica")
+    document = {"args": {k: str(v) for k, v in vars(args).items() if k not in hidden}, "runs": rows}
     args.out.write_text(json.dumps(relative_paths(document), indent=1))  # committed: no path of this machine
     print(table)
 

@@ -24,6 +24,8 @@ store with it. Under that store:
   ``restarting_s``). A replica restarted by a launcher outside the job (torchrun) counts its own
   starts in ``incarnation/{replica}`` instead, and the end of training waits for every absent
   replica with restarts left.
+- ``lost``: set by a restarted replica that finds no live replica to admit it (every replica
+  failed at once): the run cannot go on, and every later start fails at once.
 - ``vote/{point}/{replica}``: after a round's collectives every member votes whether they
   succeeded; the round counts (commits) only when every member voted yes. A member that died
   mid-round never votes, so the survivors undo the round and run it again among themselves
@@ -212,6 +214,11 @@ class Membership:
             return False
         return self.store.add(f"incarnation/{replica}", 0) <= max_restarts
 
+    def _anyone_training(self) -> bool:
+        """Whether a replica that is not itself waiting to join still beats (one that could admit this one)."""
+        others = (j for j in range(self.replicas) if j != self.replica)
+        return any(self.liveness.alive(j) for j in others if not self.store.check([f"join/{j}"]))
+
     def _coming(self, replica: int) -> bool:
         """Whether an expected replica that has not arrived may still come (it beats, and it is not a restart)."""
         return not self.store.check([f"join/{replica}"]) and self.liveness.alive(replica)
@@ -239,6 +246,12 @@ class Membership:
         while not self.store.check([key]):
             if self.store.check(["finished"]):
                 raise TrainingFinished("the other replicas finished training before this one could join")
+            if self.store.check(["lost"]) or not self._anyone_training():
+                self.store.set("lost", "1")  # every later start learns it at once
+                raise JobLost(
+                    "every replica failed at once: none is left with the training state to send "
+                    "(start the run again, from its last checkpoint)"
+                )
             if time.monotonic() > deadline:
                 raise JoinRefused(f"no round admitted it within {deadline_s:g} s")
             time.sleep(POLL_S * 10)
@@ -292,6 +305,10 @@ class JoinRefused(RuntimeError):
 
 class TrainingFinished(JoinRefused):
     """A restarted replica came back after the others had finished training."""
+
+
+class JobLost(JoinRefused):
+    """A restarted replica found no live replica to take the state from: every replica failed at once."""
 
 
 def replica_store(address: str, port: int, prefix: str, timeout: timedelta) -> dist.Store:

@@ -59,6 +59,7 @@ from lightning_hier.comm import is_communication_error
 from lightning_hier.comm.membership import (
     RUN_PREFIX,
     Decision,
+    JobLost,
     JoinRefused,
     Membership,
     TrainingFinished,
@@ -228,6 +229,8 @@ class FaultTolerance:
         assert self.external and self.replica is not None
         store = replica_store(self.coordinator_host, self.store_port, self.store_prefix, timeout)
         self.incarnation = int(store.add(f"incarnation/{self.replica}", 1)) - 1
+        if store.check(["lost"]):
+            raise JobLost("every replica failed at once earlier in this run (start it again, from its last checkpoint)")
         if self.incarnation > 0:
             store.set(f"restarting/{self.replica}", "1")
         return self.incarnation
@@ -262,8 +265,8 @@ class FaultTolerance:
         membership.start(beats)
         try:
             decision = membership.wait_admission(self.incarnation, init_timeout.total_seconds())
-        except TrainingFinished:
-            raise  # nothing left to train: its launcher ends it (ReplicaLauncher: cleanly)
+        except (TrainingFinished, JobLost):
+            raise  # nothing left to train, or nobody to train with: its launcher ends it
         except JoinRefused as err:
             raise RuntimeError(f"lightning_hier: replica {membership.replica} could not rejoin: {err}.") from err
         self._form(decision.world, f"{decision.point}/admit", regroup=False)

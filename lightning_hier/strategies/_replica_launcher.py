@@ -14,7 +14,9 @@ Lightning like rank ``i`` of ``n``, as under the fork / spawn launcher:
   coordinator which start of the replica this is: a restart's fit gets
   :data:`~lightning_hier.strategies._fault_tolerance.LIVE_CHECKPOINT` as ``ckpt_path``, so it
   restores the state a live peer sends it, as the fork launcher's restarts do. A restart that
-  comes back after the others finished training ends at once, with exit status 0.
+  comes back after the others finished training ends at once, with exit status 0; one that finds
+  no live replica (every replica failed at once) ends at once with status 1, as does every later
+  start of the run.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from lightning.pytorch.strategies.launchers.launcher import _Launcher
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
-from lightning_hier.comm.membership import TrainingFinished
+from lightning_hier.comm.membership import JobLost, TrainingFinished
 from lightning_hier.strategies._fault_tolerance import FaultTolerance, live_fit_args
 
 log = logging.getLogger(__name__)
@@ -118,9 +120,9 @@ class ReplicaLauncher(_Launcher):
             self.check(trainer, args)
         fault: FaultTolerance = self._strategy.fault_tolerance
         fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
-        if fitting and fault.claim_incarnation(self._strategy._init_timeout) > 0:
-            args = live_fit_args(args)
         try:
+            if fitting and fault.claim_incarnation(self._strategy._init_timeout) > 0:
+                args = live_fit_args(args)
             return function(*args, **kwargs)
         except TrainingFinished:
             print(
@@ -129,3 +131,6 @@ class ReplicaLauncher(_Launcher):
                 flush=True,
             )
             raise SystemExit(0) from None
+        except JobLost as err:
+            print(f"lightning_hier: replica {fault.replica} cannot rejoin: {err}.", flush=True)
+            raise SystemExit(1) from None

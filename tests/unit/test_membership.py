@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_hier.comm.membership import Decision, JoinRefused, Membership, replica_store
+from lightning_hier.comm.membership import Decision, JobLost, JoinRefused, Membership, replica_store
 
 TIMEOUT = timedelta(seconds=20)
 
@@ -99,6 +99,25 @@ def test_a_joiner_gives_up_when_training_finished(store_port):
         _member(store_port, uuid.uuid4().hex, 1, 2).wait_admission(1, deadline_s=0.1)
     a.stop()
     late.stop()
+
+
+def test_joiners_with_no_live_replica_left_fail_within_dead_after_s_and_so_does_every_later_one(store_port):
+    prefix = uuid.uuid4().hex
+    gone = _member(store_port, prefix, 0, 3)
+    gone.stop()  # the last replica that trained dies; the two others are restarts waiting to join
+    joiners = [_member(store_port, prefix, r, 3) for r in (1, 2)]
+    for j in joiners:
+        j.ask_to_join(1)
+    started = time.monotonic()
+    with pytest.raises(JobLost, match="every replica failed at once"):
+        joiners[0].wait_admission(1, deadline_s=10)
+    assert time.monotonic() - started < 2.0  # dead_after_s (0.5 s), not the admission deadline
+    started = time.monotonic()
+    with pytest.raises(JobLost):
+        joiners[1].wait_admission(1, deadline_s=10)  # the run is marked lost: at once
+    assert time.monotonic() - started < 0.2
+    for j in joiners:
+        j.stop()
 
 
 def test_a_round_commits_only_when_every_member_votes_yes(store_port):
