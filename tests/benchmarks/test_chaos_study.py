@@ -39,10 +39,13 @@ def test_report_gives_the_wall_time_lost_per_failure_against_the_clean_run():
         {"mode": "tolerant", "wall_s": 99.0, "launches": 1, "kills": [{}, {}], "accuracy": 0.5}
         | {"detected_s": [0.5, 1.5], "rejoined_s": [2.0, None], "lost_steps": [10, 30]}
     )
+    rows.append({"mode": "torchrun_clean", "wall_s": 120.0, "launches": 1, "kills": [], "accuracy": 0.5})
+    rows.append({"mode": "torchrun", "wall_s": 126.0, "launches": 1, "kills": [{}, {}], "accuracy": 0.5})
     table = report(rows, replica_steps=400)
     assert "| relaunch | 130.0 | 3 | 4 | 0.5000 | 10.00 | - | - | - |" in table
     assert "| tolerant | 99.0 | 2 | 1 | 0.5000 | -0.50 | 1.00 | 2.00 | 20 (10.0% of all) |" in table
     assert rows[1]["lost_per_failure_s"] == 10.0
+    assert rows[4]["lost_per_failure_s"] == 3.0  # against the torchrun run without kills, not the forked one
 
 
 def test_the_killer_kills_live_replicas_round_robin_by_their_pid_files(tmp_path):
