@@ -1,4 +1,4 @@
-"""The coordination store of a fault-tolerant run whose replicas are separate jobs (torchrun, SLURM).
+"""The coordination store of a fault-tolerant run whose replicas are separate jobs (torchrun).
 
 Under the fork / spawn launcher the launcher's main process hosts the replicas' store. When each
 replica is its own job, started and restarted by torchrun (``--max-restarts``), the store must

@@ -6,7 +6,10 @@ behaviour of ``docs/guide/failures.md``. With it, each rank is a *replica* that 
 
 - **Where agreement lives.** The fork / spawn launcher hosts a coordination store in the main
   process (:class:`~lightning_hier.strategies._elastic_launcher.ElasticLauncher`), so no replica
-  holds it; each replica beats on it (:mod:`lightning_hier.comm.membership`).
+  holds it; each replica beats on it (:mod:`lightning_hier.comm.membership`). With a
+  ``coordinator``, each replica is a torchrun job of one process
+  (:mod:`~lightning_hier.strategies._replica_launcher`) and the store is
+  :mod:`lightning_hier.coordinator`'s.
 - **Rounds.** Before every collective of the rule (a round, a consensus for validation, the final
   round) the replicas agree on who is alive; if that changed, a gloo group is built among the live
   replicas (members in replica order) on the coordination store, and the rule runs over it. The
@@ -19,7 +22,7 @@ behaviour of ``docs/guide/failures.md``. With it, each rank is a *replica* that 
   over (one died meanwhile), or the wait fails, the lost replica's change is dropped: every
   survivor sums again, blocking, the change it sent (kept since the launch) with the other
   survivors', and the merge divides by their number. Every survivor's window still counts.
-- **Joining.** The launcher restarts a dead replica (up to ``max_restarts`` times each). It asks to
+- **Joining.** The launcher (or torchrun) restarts a dead replica (up to ``max_restarts`` times each). It asks to
   join; the next round admits it: after that round's step, the members finish any collective in
   flight (HPSGD's new window) among themselves, and the lowest live replica sends the joiner, over
   the network, what a checkpoint at that point would hold (its model, optimizer state, the rule's
@@ -86,6 +89,7 @@ POINT_KEY = "lightning_hier_point"
 """Where the sent checkpoint holds the sequence number of the next synchronisation point."""
 START_METHODS = ("spawn", "fork")
 FIT_CKPT_ARG = 4
+"""Position of ``ckpt_path`` in the arguments of ``Trainer._fit_impl`` (Lightning 2.6)."""
 
 
 @dataclass
@@ -167,7 +171,7 @@ class FaultTolerance:
 
     @property
     def external(self) -> bool:
-        """Whether each replica is its own job (torchrun, SLURM) meeting the others on ``coordinator``."""
+        """Whether each replica is its own job (torchrun) meeting the others on ``coordinator``."""
         return self.coordinator is not None
 
     @staticmethod
@@ -197,7 +201,7 @@ class FaultTolerance:
             if start_method != "popen":
                 raise ValueError(
                     f"{owner}: argument `fault_tolerance` with a `coordinator` runs each replica as its own job "
-                    f"(torchrun, SLURM), which needs start_method='popen', got start_method={start_method!r}."
+                    f"(torchrun), which needs start_method='popen', got start_method={start_method!r}."
                 )
             if num_nodes * processes != 1:
                 raise ValueError(

@@ -1,4 +1,4 @@
-"""A fault-tolerant replica started apart from the others (torchrun, SLURM): its ranks and its launcher.
+"""A fault-tolerant replica started apart from the others (torchrun): its ranks and its launcher.
 
 With ``FaultTolerance(coordinator="host:port", replica=i, replicas=n)`` each replica is a job of
 one process, started and restarted by a launcher outside Lightning (torchrun's
