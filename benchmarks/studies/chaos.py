@@ -216,9 +216,13 @@ def _torchrun(command: list[str], replicas: int, log: Path) -> int:
         address = coordinator.stdout.readline().split()[-1]  # type: ignore[union-attr]  # "... listening on H:P"
         torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1"]
         torchrun += ["--max-restarts=100", "--monitor-interval=0.1", "-m", "benchmarks.studies.chaos"]
+        # the threads Lightning gives each forked replica (cores // replicas): torchrun sets none for a job
+        # of one process, and replicas sharing this machine's cores would oversubscribe them
+        threads = str(max(1, len(os.sched_getaffinity(0)) // replicas))
+        env = {**os.environ, "OMP_NUM_THREADS": threads}
         for replica in range(replicas):
             argv = [*torchrun, *command[3:], "--coordinator", address, "--replica", str(replica)]
-            jobs.append(subprocess.Popen(argv, cwd=REPO, stdout=subprocess.DEVNULL, stderr=log.open("a")))
+            jobs.append(subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=log.open("a")))
         codes = [job.wait() for job in jobs]
         coordinator.wait(timeout=120)
         return max(codes, key=abs)
