@@ -49,6 +49,7 @@ def simulate(
     epochs: int,
     events: Sequence[dict[str, object]],
     killed: dict[int, int],
+    outer: tuple[float, float] | None = None,
 ) -> list[nn.Module]:
     """The replicas after training, one per identity (a dead one as it was when it died).
 
@@ -62,8 +63,14 @@ def simulate(
         epochs: Epochs.
         events: The membership sequence a run logged.
         killed: ``replica -> k``: the replica died after ``k`` steps.
+        outer: DiLoCo's ``(outer_lr, outer_momentum)``: a round moves the global model ``S`` by
+            Nesterov SGD on the live replicas' mean change ``u = mean (x - S)`` (``M <- mu M + u``,
+            ``S <- S + lr (u + mu M)``) and every live replica restarts from ``S``. ``None``: the
+            round is the mean of the live replicas.
     """
     models = [make_model() for _ in range(replicas)]
+    global_model = [p.detach().clone() for p in models[0].parameters()]  # S (DiLoCo)
+    momentum = [torch.zeros_like(p) for p in global_model]
     optimizers = [make_optimizer(m) for m in models]
     worlds, joins = rounds_of(events, tau)
     world = tuple(range(replicas))
@@ -83,8 +90,14 @@ def simulate(
             training &= set(world)
             with torch.no_grad():
                 params = [list(models[r].parameters()) for r in world]
-                for tensors in zip(*params, strict=True):
+                for i, tensors in enumerate(zip(*params, strict=True)):
                     mean = torch.stack(list(tensors)).mean(0)
+                    if outer is not None:
+                        lr, mu = outer
+                        change = mean - global_model[i]
+                        momentum[i] = mu * momentum[i] + change
+                        global_model[i] = global_model[i] + lr * (change + mu * momentum[i])
+                        mean = global_model[i]
                     for t in tensors:
                         t.copy_(mean)
         for joiner in joins.get(step, ()):

@@ -33,7 +33,8 @@ more outer step on the changes since its last synchronisation, and every replica
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+import copy
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -43,6 +44,7 @@ from torch import Tensor
 from lightning_hier import _validate as v
 from lightning_hier.algorithms.compression import COMPRESSIONS, Bf16ErrorFeedback, QuantizedChange, make_codec
 from lightning_hier.algorithms.outer import OuterNesterov
+from lightning_hier.algorithms.round_guard import RoundGuard
 from lightning_hier.comm import CommStats, FlatTensors, all_reduce_mean_, all_reduce_sum_async, group_size, wait_all
 from lightning_hier.comm.collectives import Group
 
@@ -194,10 +196,17 @@ class DiLoCo:
         self.steps = 0
         self.syncs = 0
         self._finished_at: int | None = None  # the step of the latest finalize (a second one is a no-op)
+        self.guard: RoundGuard | None = None
+        """Runs the synchronisations under a changing membership (``None``: a fixed group; DiLoCo only)."""
 
     def step(self) -> int:
         """Call after every optimizer step; returns how many fragments were synchronised or applied."""
         self.steps += 1
+        if self.guard is not None:  # fault tolerant (one fragment, no delay): each window's sync is a round
+            if self.steps % self.window != 0:
+                return 0
+            self.guard.run(self, self._sync_window, admit=True)
+            return 1
         acted = 0
         for fragment in self.fragments:
             if fragment.apply_at == self.steps:
@@ -213,11 +222,43 @@ class DiLoCo:
             all_reduce_mean_(self.flat_buffers.buckets, self.group, self.stats)
         return acted
 
+    def _sync_window(self) -> None:
+        """DiLoCo's synchronisation of the whole model (one fragment, applied at once), and the buffers'."""
+        (fragment,) = self.fragments
+        fragment.launch(self.steps, 0, self.group, self.stats)
+        self.syncs += 1
+        fragment.apply(self.world, self.alpha, self.stats)
+        if self.flat_buffers is not None:
+            all_reduce_mean_(self.flat_buffers.buckets, self.group, self.stats)
+
+    def undo_point(self) -> Callable[[], None]:
+        """How to undo a synchronisation that failed half-way (a fault-tolerant run): everything as now."""
+        flats = [f.flat for f in self.fragments] + ([self.flat_buffers] if self.flat_buffers is not None else [])
+        saved = [b.clone() for f in flats for b in f.buckets]
+        state = copy.deepcopy(self.state_dict())
+
+        def undo() -> None:
+            torch._foreach_copy_([b for f in flats for b in f.buckets], saved)
+            self.load_state_dict(state)
+
+        return undo
+
+    def regroup(self, group: Group) -> None:
+        """Synchronise over ``group`` from now on: the live replicas of a fault-tolerant run (every member calls it)."""
+        self.group, self.world = group, group_size(group)
+
     @torch.no_grad()
     def finalize(self) -> None:
         """End of training: apply what is in flight, one more outer step on what changed since, ``x <- S``."""
         if self._finished_at == self.steps:
             return
+        if self.guard is not None:
+            self.guard.run(self, self._finalize, admit=False)
+        else:
+            self._finalize()
+
+    @torch.no_grad()
+    def _finalize(self) -> None:
         self._finished_at = self.steps
         for fragment in self.fragments:
             if fragment.apply_at is not None:

@@ -1,7 +1,7 @@
 """Keep training when a replica fails: the fault-tolerant mode of the periodic strategies (:class:`FaultTolerance`).
 
 One more object the adapter holds (``HierStrategy(fault_tolerance=...)``, or ``fault_tolerance=True``
-on ``localsgd``, the GRAWA family and ``hpsgd``). Without it nothing changes: the fail-fast
+on ``localsgd``, the GRAWA family, ``hpsgd`` and ``diloco``). Without it nothing changes: the fail-fast
 behaviour of ``docs/guide/failures.md``. With it, each rank is a *replica* that may die and come back:
 
 - **Where agreement lives.** The fork / spawn launcher hosts a coordination store in the main

@@ -119,9 +119,9 @@ class HierStrategy(ParallelStrategy):
             Off by default (one extra pass over the parameters per step).
         fault_tolerance: Keep training when a replica fails, and restart it
             (:class:`~lightning_hier.strategies.FaultTolerance`, its arguments as a mapping, or
-            ``True`` for its defaults);
-            periodic rules only (``localsgd``, the GRAWA family, ``hpsgd``), with ``start_method`` ``'fork'``
-            or ``'spawn'``, or with a ``coordinator`` and one process per replica under torchrun.
+            ``True`` for its defaults); periodic rules only (``localsgd``, the GRAWA family,
+            ``hpsgd``, ``diloco``), with ``start_method`` ``'fork'`` or ``'spawn'``, or with a
+            ``coordinator`` and one process per replica under torchrun.
             ``None`` (default): a failure ends the run.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin:
             Set by the Trainer; as in Lightning's own strategies.

@@ -54,7 +54,8 @@ class DiLoCoStrategy(HierStrategy):
         sync_buffers: Average floating-point buffers (BatchNorm statistics) every ``window`` steps.
         bucket_size_mb: Size bound of one flat buffer (MiB, >= 0.001).
         **kwargs: See :class:`~lightning_hier.strategies.HierStrategy` (``timeout``,
-            ``start_method``, ...).
+            ``start_method``, ...; ``fault_tolerance`` with ``fragments=1``,
+            ``fragment_sync_delay=0`` and ``compression`` ``'none'`` or ``'bf16'``).
 
     Logged whenever a fragment is sent or applied: ``diloco/syncs`` (fragments sent so far),
     ``comm/bytes`` and ``comm/blocked_s``.

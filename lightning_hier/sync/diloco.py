@@ -26,8 +26,10 @@ from lightning_hier import _validate as v
 from lightning_hier.algorithms.averaging import float_buffers
 from lightning_hier.algorithms.compression import COMPRESSIONS
 from lightning_hier.algorithms.diloco import DiLoCo
-from lightning_hier.sync.base import Binding, Sync, all_consensus, join_states, split_state
+from lightning_hier.algorithms.round_guard import RoundGuard
+from lightning_hier.sync.base import Binding, Sync, all_consensus, join_states, regroup_all, split_state
 from lightning_hier.sync.buckets import bucket_bytes, check_bucket_options
+from lightning_hier.topology import ProcessGroups
 
 
 class DiLoCoSync(Sync):
@@ -104,6 +106,21 @@ class DiLoCoSync(Sync):
             )
             for index, params in enumerate(binding.parameter_sets())
         ]
+
+    @override
+    def fault_tolerance_problem(self) -> str | None:
+        if self.fragments > 1 or self.fragment_sync_delay > 0:
+            return (
+                "Streaming DiLoCo's fragments synchronise at different steps and in the background; "
+                "fault tolerance is for fragments=1, fragment_sync_delay=0"
+            )
+        if self.compression not in ("none", "bf16"):
+            return f"compression={self.compression!r} sizes its shards by the number of replicas at the start"
+        return None
+
+    @override
+    def regroup(self, groups: ProcessGroups, guard: RoundGuard) -> None:
+        regroup_all(self._binding, groups, groups.data, self.algorithms, guard)
 
     @override
     def after_step(self, optimizer: Optimizer) -> dict[str, float]:

@@ -23,7 +23,13 @@ from lightning.pytorch.callbacks import Callback
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from lightning_hier.strategies import FaultTolerance, GrawaStrategy, HPSGDStrategy, LocalSGDStrategy
+from lightning_hier.strategies import (
+    DiLoCoStrategy,
+    FaultTolerance,
+    GrawaStrategy,
+    HPSGDStrategy,
+    LocalSGDStrategy,
+)
 from tests.fault_tolerance_reference import simulate, simulate_hpsgd
 from tests.helpers import flat_params, trainer
 
@@ -125,8 +131,10 @@ def _shard_batch(replica: int, epoch: int, index: int) -> tuple[torch.Tensor, to
     return data.tensors[0][rows], data.tensors[1][rows]
 
 
-def _reference(events: list[dict[str, object]], killed: dict[int, int]) -> list[torch.Tensor]:
-    models = simulate(_model, _optimizer, _shard_batch, REPLICAS, TAU, STEPS_PER_EPOCH, EPOCHS, events, killed)
+def _reference(
+    events: list[dict[str, object]], killed: dict[int, int], outer: tuple[float, float] | None = None
+) -> list[torch.Tensor]:
+    models = simulate(_model, _optimizer, _shard_batch, REPLICAS, TAU, STEPS_PER_EPOCH, EPOCHS, events, killed, outer)
     return [flat_params(m) for m in models]
 
 
@@ -167,6 +175,19 @@ def test_grawa_trains_on_through_a_kill_and_the_restarted_replica_ends_with_the_
     ends = [torch.load(tmp_path / f"replica{r}.pt", weights_only=True) for r in range(REPLICAS)]
     for end in ends[1:]:
         torch.testing.assert_close(end, ends[0], rtol=0, atol=1e-6)
+
+
+def test_diloco_trains_on_through_a_kill_rejoins_and_equals_the_reference_with_its_outer_nesterov(tmp_path):
+    module = _fit(tmp_path, kill_after=6, max_restarts=1, cls=DiLoCoStrategy, window=TAU)  # outer 0.7, 0.9
+    events = json.loads((tmp_path / "events0.json").read_text())
+    assert [e["left"] for e in events if e.get("left")] == [[1]]
+    assert [e["joined"] for e in events if e.get("joined")] == [[1]]
+    ends = [torch.load(tmp_path / f"replica{r}.pt", weights_only=True) for r in range(REPLICAS)]
+    for end in ends[1:]:
+        torch.testing.assert_close(end, ends[0], rtol=0, atol=1e-6)
+    reference = _reference(events, killed={1: 6}, outer=(0.7, 0.9))
+    torch.testing.assert_close(flat_params(module.body), reference[0], rtol=0, atol=1e-6)
+    assert not torch.allclose(reference[0], _reference(events, killed={1: 6})[0])  # the outer step mattered
 
 
 @pytest.mark.parametrize("kill_after", [6, 11])
