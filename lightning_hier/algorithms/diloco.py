@@ -238,6 +238,8 @@ class DiLoCo:
         state = copy.deepcopy(self.state_dict())
 
         def undo() -> None:
+            for fragment in self.fragments:
+                fragment.works = []  # the failed reduction's: never waited for again
             torch._foreach_copy_([b for f in flats for b in f.buckets], saved)
             self.load_state_dict(state)
 

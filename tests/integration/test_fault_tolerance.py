@@ -67,7 +67,9 @@ class _Net(pl.LightningModule):
         doomed = self.global_rank == self.kill_replica and fault is not None and fault.incarnation == 0
         if doomed and self.in_round and self.trainer.global_step == self.kill_after - 1:
             # step kill_after ends with a round: the replica arrives, is counted in, and dies in its collective
-            self.trainer.strategy.sync.algorithm.sync = lambda *_: os.kill(os.getpid(), signal.SIGKILL)
+            algorithm = self.trainer.strategy.sync.algorithm
+            round_of = "_sync_window" if hasattr(algorithm, "_sync_window") else "sync"  # DiLoCo's, the others'
+            setattr(algorithm, round_of, lambda *_: os.kill(os.getpid(), signal.SIGKILL))
         elif doomed and not self.in_round and self.trainer.global_step == self.kill_after:
             os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(self.step_s)
@@ -177,17 +179,21 @@ def test_grawa_trains_on_through_a_kill_and_the_restarted_replica_ends_with_the_
         torch.testing.assert_close(end, ends[0], rtol=0, atol=1e-6)
 
 
-def test_diloco_trains_on_through_a_kill_rejoins_and_equals_the_reference_with_its_outer_nesterov(tmp_path):
-    module = _fit(tmp_path, kill_after=6, max_restarts=1, cls=DiLoCoStrategy, window=TAU)  # outer 0.7, 0.9
+@pytest.mark.parametrize(("kill_after", "in_round"), [(6, False), (8, True)])
+def test_diloco_trains_on_through_a_kill_rejoins_and_equals_the_reference_with_its_outer_nesterov(
+    tmp_path, kill_after, in_round
+):
+    module = _fit(tmp_path, kill_after=kill_after, max_restarts=1, in_round=in_round, cls=DiLoCoStrategy, window=TAU)
     events = json.loads((tmp_path / "events0.json").read_text())
+    assert ({"point": "1.0", "undone": True} in events) == in_round  # its outer step undone, then run again
     assert [e["left"] for e in events if e.get("left")] == [[1]]
     assert [e["joined"] for e in events if e.get("joined")] == [[1]]
     ends = [torch.load(tmp_path / f"replica{r}.pt", weights_only=True) for r in range(REPLICAS)]
     for end in ends[1:]:
         torch.testing.assert_close(end, ends[0], rtol=0, atol=1e-6)
-    reference = _reference(events, killed={1: 6}, outer=(0.7, 0.9))
+    reference = _reference(events, killed={1: kill_after}, outer=(0.7, 0.9))  # DiLoCo's defaults
     torch.testing.assert_close(flat_params(module.body), reference[0], rtol=0, atol=1e-6)
-    assert not torch.allclose(reference[0], _reference(events, killed={1: 6})[0])  # the outer step mattered
+    assert not torch.allclose(reference[0], _reference(events, killed={1: kill_after})[0])  # the outer step mattered
 
 
 @pytest.mark.parametrize("kill_after", [6, 11])
