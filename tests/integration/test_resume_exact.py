@@ -83,6 +83,17 @@ def test_a_mid_epoch_checkpoint_resumes_bit_identically(name, tmp_path):
     assert resumed[0]["steps"] == list(range(17, 25))
 
 
+def test_a_resumed_run_resumes_again_bit_identically_within_the_same_epoch(tmp_path):
+    # the second checkpoint is written by a run that itself resumed mid-epoch (at step 13, batch 2
+    # of epoch 1): its data position must count the epoch's batches, not those since the resume
+    limits = {"max_steps": 24, "max_epochs": -1}
+    full = run_workers(_fit, "localsgd", str(tmp_path / "a"), None, 13, limits, devices=2)
+    once = run_workers(_fit, "localsgd", str(tmp_path / "b"), str(tmp_path / "a" / "step=13.ckpt"), 3, limits)
+    twice = run_workers(_fit, "localsgd", str(tmp_path / "c"), str(tmp_path / "b" / "step=18.ckpt"), None, limits)
+    assert_resumed_run_matches(full, once, after_step=13)
+    assert_resumed_run_matches(full, twice, after_step=18)
+
+
 def test_an_epoch_end_checkpoint_resumes_bit_identically_with_max_steps(tmp_path):
     # Lightning hands set_epoch current_epoch + 1 after such a resume: the strategy corrects it
     full, resumed = _full_and_resumed(_fit, tmp_path, 22, "localsgd", None, {"max_steps": 36, "max_epochs": -1})
