@@ -237,6 +237,10 @@ class Membership:
     def ask_to_join(self, incarnation: int) -> None:
         """A restarted replica asks to join (before it beats: the others must not wait for it at a round)."""
         self.store.set(f"join/{self.replica}", str(incarnation))
+        # one beat before the launcher's mark goes: an observer that no longer sees the mark must
+        # see a live joiner, not the dead replica's still counter (the end of training would
+        # otherwise finish without it)
+        self.store.add(f"hb/{self.replica}", 1)
         self.store.delete_key(f"restarting/{self.replica}")  # the launcher's mark: from now on it is a joiner
 
     def wait_admission(self, incarnation: int, deadline_s: float) -> Decision:
