@@ -35,7 +35,6 @@ Pure torch, usable from a plain training loop::
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from typing import Any, TypeVar
@@ -54,7 +53,7 @@ from lightning_hier.algorithms.centers import (
 )
 from lightning_hier.algorithms.grawa import grad_norms
 from lightning_hier.algorithms.periodic_schedule import PeriodicSchedule
-from lightning_hier.algorithms.round_guard import RoundGuard
+from lightning_hier.algorithms.round_guard import RoundGuard, restore_point
 from lightning_hier.algorithms.two_level import LevelRounds
 from lightning_hier.comm import CommStats, FlatTensors, all_reduce_mean_, all_reduce_sum_, group_size
 from lightning_hier.comm.collectives import Group
@@ -171,15 +170,7 @@ class PeriodicAveraging:
 
     def undo_point(self) -> Callable[[], None]:
         """How to undo a round that failed half-way (a fault-tolerant run): the replica and state as now."""
-        flats = [self.flat, *([self.flat_buffers] if self.flat_buffers is not None else [])]
-        saved = [b.clone() for f in flats for b in f.buckets]
-        state = copy.deepcopy(self.state_dict())
-
-        def undo() -> None:
-            torch._foreach_copy_([b for f in flats for b in f.buckets], saved)
-            self.load_state_dict(state)
-
-        return undo
+        return restore_point([self.flat, *([self.flat_buffers] if self.flat_buffers is not None else [])], self)
 
     def regroup(self, group: Group) -> None:
         """Average over ``group`` from now on (the live replicas of a fault-tolerant run; every member calls it)."""

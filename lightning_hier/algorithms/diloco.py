@@ -33,7 +33,6 @@ more outer step on the changes since its last synchronisation, and every replica
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -44,7 +43,7 @@ from torch import Tensor
 from lightning_hier import _validate as v
 from lightning_hier.algorithms.compression import COMPRESSIONS, Bf16ErrorFeedback, QuantizedChange, make_codec
 from lightning_hier.algorithms.outer import OuterNesterov
-from lightning_hier.algorithms.round_guard import RoundGuard
+from lightning_hier.algorithms.round_guard import RoundGuard, restore_point
 from lightning_hier.comm import CommStats, FlatTensors, all_reduce_mean_, all_reduce_sum_async, group_size, wait_all
 from lightning_hier.comm.collectives import Group
 
@@ -234,14 +233,12 @@ class DiLoCo:
     def undo_point(self) -> Callable[[], None]:
         """How to undo a synchronisation that failed half-way (a fault-tolerant run): everything as now."""
         flats = [f.flat for f in self.fragments] + ([self.flat_buffers] if self.flat_buffers is not None else [])
-        saved = [b.clone() for f in flats for b in f.buckets]
-        state = copy.deepcopy(self.state_dict())
+        restore = restore_point(flats, self)
 
         def undo() -> None:
             for fragment in self.fragments:
                 fragment.works = []  # the failed reduction's: never waited for again
-            torch._foreach_copy_([b for f in flats for b in f.buckets], saved)
-            self.load_state_dict(state)
+            restore()
 
         return undo
 

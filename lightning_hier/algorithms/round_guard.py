@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import copy
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol, TypeVar
+
+import torch
+
+from lightning_hier.comm import FlatTensors
 
 T = TypeVar("T")
 
@@ -31,3 +36,20 @@ class RoundGuard(Protocol):
     """
 
     def run(self, algorithm: Undoable, collective: Callable[[], T], admit: bool) -> T: ...
+
+
+def restore_point(flats: Sequence[FlatTensors], algorithm: Any) -> Callable[[], None]:
+    """An :meth:`Undoable.undo_point` from ``flats`` (the replica's buckets) and ``algorithm``'s state dict.
+
+    The buckets are cloned and the state deep-copied now; the returned function copies both back.
+    """
+    buckets = [b for f in flats for b in f.buckets]
+    saved = [b.clone() for b in buckets]
+    state = copy.deepcopy(algorithm.state_dict())
+
+    def undo() -> None:
+        with torch.no_grad():
+            torch._foreach_copy_(buckets, saved)
+        algorithm.load_state_dict(state)
+
+    return undo
