@@ -25,7 +25,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from lightning_hier.comm.membership import RUN_PREFIX
-from lightning_hier.comm.rendezvous import listen
+from lightning_hier.comm.rendezvous import host_store
 
 POLL_S = 0.5
 
@@ -36,18 +36,9 @@ def serve(host: str, port: int, linger_s: float = 10.0, timeout_s: float = 600.0
     Prints ``lightning_hier coordinator: listening on HOST:PORT`` once the store accepts clients.
     """
     try:
-        listener = listen(host, port, multi_node=False)
+        store, bound = host_store(host, port, timedelta(seconds=timeout_s))
     except OSError as err:
         raise SystemExit(f"lightning_hier coordinator: cannot listen on {host}:{port}: {err.strerror}") from err
-    bound = listener.getsockname()[1]
-    store = dist.TCPStore(
-        host,
-        bound,
-        is_master=True,
-        timeout=timedelta(seconds=timeout_s),
-        wait_for_workers=False,
-        master_listen_fd=listener.detach(),
-    )
     run = dist.PrefixStore(RUN_PREFIX, store)
     print(f"lightning_hier coordinator: listening on {host}:{bound}", flush=True)
     while not run.check(["finished"]):

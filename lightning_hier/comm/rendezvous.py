@@ -85,3 +85,17 @@ def listen(address: str, port: int, multi_node: bool) -> socket.socket:
             f"MASTER_PORT={port}: {err.strerror}",
         ) from err
     return listener
+
+
+def host_store(address: str, port: int, timeout: timedelta) -> tuple[dist.TCPStore, int]:
+    """A master ``TCPStore`` that no rank joins, listening on ``address`` only (``port`` 0: a free one).
+
+    The coordination store of a fault-tolerant run (the fork launcher's, or
+    ``python -m lightning_hier.coordinator``'s); returns it and the port it listens on.
+    """
+    listener = listen(address, port, multi_node=False)
+    bound = listener.getsockname()[1]
+    store = dist.TCPStore(
+        address, bound, is_master=True, timeout=timeout, wait_for_workers=False, master_listen_fd=listener.detach()
+    )
+    return store, bound

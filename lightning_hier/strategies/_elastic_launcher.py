@@ -32,7 +32,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from lightning_hier.comm.membership import EXIT_REJOIN
-from lightning_hier.comm.rendezvous import listen
+from lightning_hier.comm.rendezvous import host_store
 from lightning_hier.strategies._fault_tolerance import FaultTolerance, live_fit_args
 from lightning_hier.strategies._launchers import _ReportingLauncher
 
@@ -54,16 +54,7 @@ class ElasticLauncher(_ReportingLauncher):
         assert env is not None
         self.main_pid = os.getpid()
         self._signalled = False
-        listener = listen(env.main_address, 0, multi_node=False)
-        port = listener.getsockname()[1]
-        store = dist.TCPStore(
-            env.main_address,
-            port,
-            is_master=True,
-            timeout=timedelta(seconds=60),
-            wait_for_workers=False,
-            master_listen_fd=listener.detach(),
-        )
+        store, port = host_store(env.main_address, 0, timedelta(seconds=60))
         fault.store_port, fault.store_prefix = port, f"lightning_hier/{uuid.uuid4().hex}"
         marks = dist.PrefixStore(fault.store_prefix, store)
         os.environ["MASTER_PORT"] = str(env.main_port)
