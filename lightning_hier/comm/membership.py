@@ -55,9 +55,9 @@ import torch.distributed as dist
 log = logging.getLogger(__name__)
 
 POLL_S = 0.005
+"""Pause between two looks at the store while waiting (a round costs a few of them)."""
 RUN_PREFIX = "lightning_hier/run"
 """The store prefix of a run whose replicas meet on :mod:`lightning_hier.coordinator` (one run per coordinator)."""
-"""Pause between two looks at the store while waiting (a round costs a few of them)."""
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,10 @@ from __future__ import annotations
 import ipaddress
 import os
 import socket
+import subprocess
+import sys
 from datetime import timedelta
+from pathlib import Path
 
 import torch.distributed as dist
 
@@ -90,8 +93,8 @@ def listen(address: str, port: int, multi_node: bool) -> socket.socket:
 def host_store(address: str, port: int, timeout: timedelta) -> tuple[dist.TCPStore, int]:
     """A master ``TCPStore`` that no rank joins, listening on ``address`` only (``port`` 0: a free one).
 
-    The coordination store of a fault-tolerant run (the fork launcher's, or
-    ``python -m lightning_hier.coordinator``'s); returns it and the port it listens on.
+    The coordination store of ``python -m lightning_hier.coordinator``; returns it and the port it
+    listens on. A process that forks while it hosts a store must use :class:`StoreApart`.
     """
     listener = listen(address, port, multi_node=False)
     bound = listener.getsockname()[1]
@@ -99,3 +102,51 @@ def host_store(address: str, port: int, timeout: timedelta) -> tuple[dist.TCPSto
         address, bound, is_master=True, timeout=timeout, wait_for_workers=False, master_listen_fd=listener.detach()
     )
     return store, bound
+
+
+class StoreApart:
+    """A coordination store hosted by a process of its own, listening on ``address`` only (a free port).
+
+    For the fork / spawn launcher of a fault-tolerant run, which forks replicas (and restarts them)
+    while the store serves: a store hosted in the forking process runs a server thread that
+    resolves connecting clients' addresses, and a child forked while that thread holds glibc's
+    resolver lock deadlocks in its own first connection (seen about once in ten fault-tolerance
+    test runs). The socket is bound here, so :attr:`port` is known at once and clients may connect
+    before the host process has imported torch (the kernel queues them); the host ends when
+    :meth:`close` is called or this process is gone.
+
+    Args:
+        address: Where the store listens and the replicas connect.
+        timeout: The store's timeout, and this process's client's.
+    """
+
+    def __init__(self, address: str, timeout: timedelta) -> None:
+        self.address, self.timeout = address, timeout
+        listener = listen(address, 0, multi_node=False)
+        self.port: int = listener.getsockname()[1]
+        fd = listener.fileno()
+        script = str(Path(__file__).with_name("_store_host.py"))  # by path: it imports torch alone, not Lightning
+        args = [str(fd), address, str(self.port), str(os.getpid()), str(timeout.total_seconds())]
+        try:
+            self._host = subprocess.Popen([sys.executable, script, *args], pass_fds=(fd,))
+        finally:
+            listener.close()  # the host's now: a replica forked later must not hold it open
+        self._client: dist.TCPStore | None = None
+
+    def client(self) -> dist.TCPStore:
+        """This process's connection to the store (made on first use: it waits for the host to serve)."""
+        if self._client is None:
+            self._client = dist.TCPStore(
+                self.address, self.port, is_master=False, timeout=self.timeout, wait_for_workers=False
+            )
+        return self._client
+
+    def close(self) -> None:
+        """End the host process (its keys are gone)."""
+        self._client = None
+        self._host.terminate()
+        try:
+            self._host.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self._host.kill()
+            self._host.wait()

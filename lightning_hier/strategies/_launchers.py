@@ -131,9 +131,9 @@ class _ReportingLauncher(_MultiProcessingLauncher):
             raise KeyboardInterrupt
         raise SIGTERMException(128 + signum)  # the exit status a shell reports for a signal
 
-    def _end_children(self) -> None:
-        """SIGKILL children alive after ``grace_s`` and reap them all."""
-        deadline = time.monotonic() + self.grace_s
+    def _end_children(self, grace_s: float | None = None) -> None:
+        """SIGKILL children alive after ``grace_s`` (``None``: the launcher's) and reap them all."""
+        deadline = time.monotonic() + (self.grace_s if grace_s is None else grace_s)
         for proc in self.procs:
             proc.join(max(0.0, deadline - time.monotonic()))
         for proc in self.procs:

@@ -274,7 +274,8 @@ class HierStrategy(ParallelStrategy):
             self._launcher = ReplicaLauncher(self, check=self.check_fit_arguments)
         elif fault is not None:
             grace_s = min(END_GRACE_S, self.guard.timeout_s())
-            self._launcher = ElasticLauncher(self, self._start_method, grace_s=grace_s, check=self.check_fit_arguments)
+            finish_s = self._init_timeout.total_seconds()
+            self._launcher = ElasticLauncher(self, self._start_method, grace_s, self.check_fit_arguments, finish_s)
         elif self._start_method == "popen":
             env = self.cluster_environment
             self._launcher = _CheckedScriptLauncher(self.check_fit_arguments, env, self.num_processes, self.num_nodes)

@@ -111,6 +111,8 @@ def _fit(
     validation: dict[str, Any] | None = None,
     replica: dict[str, Any] | None = None,
     step_s: float = 0.0,
+    init_timeout: float = 600.0,
+    callbacks: tuple[Callback, ...] = (),
     **kwargs: Any,
 ) -> _Net:
     """A fit of every replica with the fork launcher, or (``replica``: its identity and coordinator) of one."""
@@ -119,8 +121,9 @@ def _fit(
     fault = FaultTolerance(max_restarts=max_restarts, dead_after_s=1.0, **(replica or {}))
     period = kwargs or {"tau": TAU}
     start_method, devices = ("popen", 1) if fault.external else ("fork", REPLICAS)
-    strategy = cls(**period, start_method=start_method, timeout=60, fault_tolerance=fault)
-    t = trainer(strategy=strategy, devices=devices, max_epochs=EPOCHS, callbacks=[_Record(tmp_path)], **validation)
+    strategy = cls(**period, start_method=start_method, timeout=60, init_timeout=init_timeout, fault_tolerance=fault)
+    callbacks = (_Record(tmp_path), *callbacks)
+    t = trainer(strategy=strategy, devices=devices, max_epochs=EPOCHS, callbacks=list(callbacks), **validation)
     t.fit(module, DataLoader(_data(), batch_size=BATCH), DataLoader(_data(), batch_size=BATCH) if validation else None)
     return module
 
@@ -250,6 +253,23 @@ def test_without_restarts_the_others_finish_without_the_dead_replica(tmp_path):
     assert not (tmp_path / "replica1.pt").exists()
     reference = _reference(events, killed={1: 5})
     torch.testing.assert_close(flat_params(module.body), reference[0], rtol=0, atol=1e-6)
+
+
+class _HangAtTheEnd(Callback):
+    """Replica 2 hangs once its fit is over (user code that deadlocks there, say)."""
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.global_rank == 2:
+            time.sleep(3600)
+
+
+def test_a_replica_still_running_init_timeout_after_the_others_finished_is_killed_and_the_fit_returns(tmp_path, caplog):
+    # without the launcher's bound it would wait for that replica for ever
+    module = _fit(tmp_path, kill_after=10**6, max_restarts=1, init_timeout=8, callbacks=(_HangAtTheEnd(),))
+    assert (
+        "replica 2 was still running init_timeout=8 s after another replica finished, after 0 restart(s)" in caplog.text
+    )
+    torch.testing.assert_close(flat_params(module.body), _reference([], killed={})[0], rtol=0, atol=1e-6)
 
 
 def test_under_torchrun_each_replica_its_own_job_a_killed_one_is_restarted_rejoins_and_equals_the_reference(
