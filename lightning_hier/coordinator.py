@@ -1,6 +1,6 @@
 """The coordination store of a fault-tolerant run whose replicas are separate jobs (torchrun).
 
-Under the fork / spawn launcher the launcher's main process hosts the replicas' store. When each
+Under the fork / spawn launcher a process the launcher starts hosts the replicas' store. When each
 replica is its own job, started and restarted by torchrun (``--max-restarts``), the store must
 outlive every replica: this process hosts it, for one run, and ends once the replicas have
 finished training (``finished`` written by the last round) and ``--linger-s`` has passed (a

@@ -4,8 +4,8 @@ One more object the adapter holds (``HierStrategy(fault_tolerance=...)``, or ``f
 on ``localsgd``, the GRAWA family, ``hpsgd`` and ``diloco``). Without it nothing changes: the fail-fast
 behaviour of ``docs/guide/failures.md``. With it, each rank is a *replica* that may die and come back:
 
-- **Where agreement lives.** The fork / spawn launcher hosts a coordination store in the main
-  process (:class:`~lightning_hier.strategies._elastic_launcher.ElasticLauncher`), so no replica
+- **Where agreement lives.** The fork / spawn launcher hosts a coordination store in a process
+  of its own (:class:`~lightning_hier.strategies._elastic_launcher.ElasticLauncher`), so no replica
   holds it; each replica beats on it (:mod:`lightning_hier.comm.membership`). With a
   ``coordinator``, each replica is a torchrun job of one process
   (:mod:`~lightning_hier.strategies._replica_launcher`) and the store is
