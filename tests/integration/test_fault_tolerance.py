@@ -337,3 +337,21 @@ def test_bad_fault_tolerance_arguments_are_refused_before_any_process_starts():
         LocalSGDStrategy(start_method="fork", fault_tolerance=external)
     with pytest.raises(ValueError, match=r"one process per replica .*got devices=2"):
         trainer(strategy=LocalSGDStrategy(fault_tolerance=external), devices=2)
+
+
+def test_a_replica_back_many_rounds_later_rejoins_and_the_model_equals_the_reference(tmp_path, monkeypatch):
+    connect = FaultTolerance.connect
+
+    def slow_restart(self: FaultTolerance, *args: Any) -> None:
+        if self.incarnation > 0:
+            time.sleep(1.5)  # a restart as slow as a torchrun job's, against steps of 20 ms: rounds go by
+        connect(self, *args)
+
+    monkeypatch.setattr(FaultTolerance, "connect", slow_restart)
+    module = _fit(tmp_path, kill_after=5, max_restarts=1, step_s=0.02)
+    events = json.loads((tmp_path / "events0.json").read_text())
+    left = next(e for e in events if e.get("left"))
+    joined = next(e for e in events if e.get("joined"))
+    assert joined["step"] - left["step"] >= 3 * TAU, events  # it was away for several rounds
+    reference = _reference(events, killed={1: 5})
+    torch.testing.assert_close(flat_params(module.body), reference[0], rtol=0, atol=1e-6)
