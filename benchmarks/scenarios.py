@@ -377,6 +377,9 @@ SCENARIOS: tuple[Scenario, ...] = (
         {"window": 16, "fragments": 4, "fragment_sync_delay": 2, "compression": "int4"},
         label="diloco-w16-f4-int4",
     ),
+    # longer windows: 0.01x DDP's bytes needs one int4 payload per ~20 steps
+    Scenario("hpsgd_mlp_100mbit", "diloco", {"window": 16, "compression": "int4"}, label="diloco-w16-int4"),
+    Scenario("hpsgd_mlp_100mbit", "diloco", {"window": 24, "compression": "int4"}, label="diloco-w24-int4"),
     Scenario("hpsgd_mlp_100mbit", "localsgd", {"tau": 4}),
     *ddp_peers("hpsgd_mlp_100mbit", period=4),
     # a slow link: 4-bit payloads, hidden behind the window (HPSGD) or blocking every 16 steps (DiLoCo)
