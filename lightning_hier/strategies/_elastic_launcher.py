@@ -127,7 +127,6 @@ class ElasticLauncher(_ReportingLauncher):
                                 restarts[index],
                                 fault.max_restarts,
                             )
-                            print(f"lightning_hier: replica {index} {how}; restarting it", flush=True)
                             marks = dist.PrefixStore(fault.store_prefix, store.client())
                             marks.set(f"restarting/{index}", "1")  # the end of training waits for it
                             self.procs[index] = start(index, restarts[index])
