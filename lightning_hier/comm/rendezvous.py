@@ -133,6 +133,11 @@ class StoreApart:
             listener.close()  # the host's now: a replica forked later must not hold it open
         self._client: dist.TCPStore | None = None
 
+    @property
+    def pid(self) -> int:
+        """The host process's PID."""
+        return self._host.pid
+
     def client(self) -> dist.TCPStore:
         """This process's connection to the store (made on first use: it waits for the host to serve)."""
         if self._client is None:

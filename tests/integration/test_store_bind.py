@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import multiprocessing as mp
 import os
+import signal
 import socket
+import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +17,8 @@ import lightning.pytorch as pl
 import pytest
 from lightning.pytorch.callbacks import Callback
 
-from tests.helpers import digits, digits_classifier, trainer
+from lightning_hier.comm.rendezvous import StoreApart
+from tests.helpers import digits, digits_classifier, process_alive, trainer
 
 _LISTEN = "0A"  # TCP_LISTEN in /proc/net/tcp*
 
@@ -52,3 +57,32 @@ def test_the_store_listens_on_master_addr_only(strategy, tmp_path):
     seen = json.loads(out.read_text())
     assert seen["addr"] == "127.0.0.1"
     assert seen["listen"] == ["127.0.0.1"]
+
+
+def test_a_store_apart_is_hosted_by_another_process_on_the_address_only_and_ends_with_close():
+    store = StoreApart("127.0.0.1", timedelta(seconds=30))
+    try:
+        assert store.pid != os.getpid()
+        store.client().set("key", "value")  # waits until the host serves
+        assert store.client().get("key") == b"value"
+        assert listening_addresses(store.port) == ["127.0.0.1"]
+    finally:
+        store.close()
+    assert not process_alive(store.pid)
+
+
+def test_a_store_apart_ends_when_the_process_that_made_it_is_killed():
+    def launcher(conn: Any) -> None:
+        conn.send(StoreApart("127.0.0.1", timedelta(seconds=30)).pid)
+        time.sleep(3600)
+
+    reader, writer = mp.get_context("fork").Pipe(duplex=False)
+    child = mp.get_context("fork").Process(target=launcher, args=(writer,))
+    child.start()
+    host = reader.recv()
+    os.kill(child.pid, signal.SIGKILL)  # no close(): the host notices its parent is gone
+    child.join()
+    deadline = time.monotonic() + 10
+    while process_alive(host) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not process_alive(host)
