@@ -113,7 +113,7 @@ class StoreApart:
     resolver lock deadlocks in its own first connection (seen about once in ten fault-tolerance
     test runs). The socket is bound here, so :attr:`port` is known at once and clients may connect
     before the host process has imported torch (the kernel queues them); the host ends when
-    :meth:`close` is called or this process is gone.
+    :meth:`close` is called (or its ``with`` block ends), or when this process is gone.
 
     Args:
         address: Where the store listens and the replicas connect.
@@ -145,6 +145,12 @@ class StoreApart:
                 self.address, self.port, is_master=False, timeout=self.timeout, wait_for_workers=False
             )
         return self._client
+
+    def __enter__(self) -> StoreApart:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def close(self) -> None:
         """End the host process (its keys are gone)."""

@@ -70,8 +70,6 @@ class ElasticLauncher(_ReportingLauncher):
         assert env is not None
         self.main_pid = os.getpid()
         self._signalled = False
-        store = StoreApart(env.main_address, timedelta(seconds=60))
-        fault.store_port, fault.store_prefix = store.port, f"lightning_hier/{uuid.uuid4().hex}"
         os.environ["MASTER_PORT"] = str(env.main_port)
         context = mp.get_context(self._start_method)
         return_queue = context.SimpleQueue()
@@ -98,10 +96,10 @@ class ElasticLauncher(_ReportingLauncher):
         output = None
         # once a replica has finished its fit, the others are at most the end of training's wait for
         # restarts (init_timeout) behind it; one still running after that hangs, and would hang the launch
-        finish_s = self.finish_s
         finished_at: float | None = None
         grace_s = self.grace_s
-        with self._forwarding_signals():
+        with self._forwarding_signals(), StoreApart(env.main_address, timedelta(seconds=60)) as store:
+            fault.store_port, fault.store_prefix = store.port, f"lightning_hier/{uuid.uuid4().hex}"
             try:
                 self.procs = [start(i, 0) for i in range(replicas)]
                 running = set(range(replicas))
@@ -133,10 +131,10 @@ class ElasticLauncher(_ReportingLauncher):
                         else:
                             failed[index] = _how(code) if code != EXIT_REJOIN else "could not rejoin"
                             running.discard(index)
-                    if running and finished_at is not None and time.monotonic() > finished_at + finish_s:
+                    if running and finished_at is not None and time.monotonic() > finished_at + self.finish_s:
                         for index in running:
                             failed[index] = (
-                                f"was still running init_timeout={finish_s:g} s after another replica finished"
+                                f"was still running init_timeout={self.finish_s:g} s after another replica finished"
                             )
                         grace_s = 0.0  # they have had their time: SIGKILL at once
                         break
@@ -144,8 +142,7 @@ class ElasticLauncher(_ReportingLauncher):
                 while not return_queue.empty():
                     output = return_queue.get()
             finally:
-                self._end_children(grace_s)
-                store.close()
+                self._end_children(grace_s)  # before the store goes
         why = "; ".join(f"replica {i} {how}, after {restarts[i]} restart(s)" for i, how in failed.items())
         if output is None:
             raise RuntimeError(f"lightning_hier: the fault-tolerant fit ended without replica 0's result ({why}).")
