@@ -79,6 +79,31 @@ class DataPosition:
             self._pending = False
 
 
+def repair_epoch_progress(checkpoint: dict[str, Any], position: dict[str, int] | None) -> None:
+    """Count the epoch under way as started in ``checkpoint``'s loop state, where Lightning did not.
+
+    Lightning 2.6.6, resumed under ``max_epochs`` from a checkpoint written at an epoch's last batch
+    (``every_n_train_steps``), trains every later epoch without counting it as ready and started
+    (``fit_loop.epoch_progress``: ``ready == started == completed``). A mid-epoch checkpoint of such a
+    run then reads, to the run resumed from it, as one written between epochs: Lightning starts the
+    epoch's batch count at 0 (``batch_idx``, and so this library's data position, which the
+    checkpoint after that resumes too early in the epoch from) and expects a whole epoch from there
+    (it skips the validation at the epoch's end, whose loader draws from the RNG), though the data go
+    on where they stopped. ``position`` (:meth:`DataPosition.state_dict`) says whether an epoch is
+    under way; then its ``ready`` and ``started`` are counted here, as an uninterrupted run counts them.
+    """
+    loop = checkpoint.get("loops", {}).get("fit_loop")
+    if loop is None or position is None or position["batches"] == 0:
+        return
+    progress = loop["epoch_progress"]
+    current = progress["current"]
+    if not current["ready"] == current["completed"] == position["epoch"]:
+        return
+    for counts in (progress["current"], progress["total"]):
+        if counts["ready"] == counts["completed"]:
+            counts["ready"] = counts["started"] = counts["completed"] + 1
+
+
 def resumable_sampler(loader: object) -> ResumePoint | None:
     """The sampler of ``loader`` that can resume mid-epoch, wrapping an ordinary one in place; else None."""
     if not isinstance(loader, DataLoader) or isinstance(loader, _Stateful):

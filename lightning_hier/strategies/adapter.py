@@ -601,6 +601,7 @@ class HierStrategy(ParallelStrategy):
         rank 0 only (``if trainer.is_global_zero: trainer.save_checkpoint(...)``) deadlocks.
         """
         filepath = self.broadcast(filepath)
+        _data_position.repair_epoch_progress(checkpoint, self._data_position_state())
         states = None
         if "optimizer_states" in checkpoint and self.fault_tolerance is None:  # not weights_only
             with self._replicas_in_place():
@@ -619,7 +620,6 @@ class HierStrategy(ParallelStrategy):
         """This rank's state, one entry per object."""
         assert self.lightning_module is not None
         module = self.lightning_module
-        batches = module.trainer.num_training_batches if module._trainer is not None else float("inf")
         return {
             "model": ckpt.detach_state(module.state_dict()),
             "optimizer_states": checkpoint.get("optimizer_states", []),
@@ -627,8 +627,13 @@ class HierStrategy(ParallelStrategy):
             "algorithm": ckpt.detach_state(self.sync.state_dict()),
             "allocation": ckpt.detach_state(self.allocation.state_dict()),
             "comm": self.comm_stats.state_dict(),
-            "data": self.data_position.state_dict(batches),
+            "data": self._data_position_state(),
         }
+
+    def _data_position_state(self) -> dict[str, int] | None:
+        module = self.lightning_module
+        batches = module.trainer.num_training_batches if module is not None and module._trainer is not None else None
+        return self.data_position.state_dict(float("inf") if batches is None else batches)
 
     @contextmanager
     def _replicas_in_place(self) -> Iterator[None]:

@@ -94,6 +94,20 @@ def test_a_resumed_run_resumes_again_bit_identically_within_the_same_epoch(tmp_p
     assert_resumed_run_matches(full, twice, after_step=18)
 
 
+def test_a_chain_of_resumes_from_an_epoch_end_then_twice_mid_epoch_stays_bit_identical(tmp_path):
+    # b resumes from epoch 0's last batch; Lightning 2.6.6 then leaves the epochs b trains uncounted,
+    # so c, resumed from b's mid-epoch checkpoint, counted the epoch's batches from 0 again: its
+    # batch_idx (and the data position of the checkpoint it writes, from which d resumed too early in
+    # the epoch) and its validation at the epoch's end (skipped: the RNG then differs)
+    limits = {"max_epochs": 3}  # with max_steps Lightning keeps counting from the epoch's start
+    a = run_workers(_fit, "localsgd", str(tmp_path / "a"), None, 11, limits, devices=2)  # epoch 0's last batch
+    b = run_workers(_fit, "localsgd", str(tmp_path / "b"), str(tmp_path / "a" / "step=11.ckpt"), 4, limits)
+    c = run_workers(_fit, "localsgd", str(tmp_path / "c"), str(tmp_path / "b" / "step=12.ckpt"), 5, limits)
+    d = run_workers(_fit, "localsgd", str(tmp_path / "d"), str(tmp_path / "c" / "step=15.ckpt"), None, limits)
+    for resumed, step in ((b, 11), (c, 12), (d, 15)):
+        assert_resumed_run_matches(a, resumed, after_step=step)
+
+
 def test_an_epoch_end_checkpoint_resumes_bit_identically_with_max_steps(tmp_path):
     # Lightning hands set_epoch current_epoch + 1 after such a resume: the strategy corrects it
     full, resumed = _full_and_resumed(_fit, tmp_path, 22, "localsgd", None, {"max_steps": 36, "max_epochs": -1})
