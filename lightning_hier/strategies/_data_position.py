@@ -79,29 +79,23 @@ class DataPosition:
             self._pending = False
 
 
-def repair_epoch_progress(checkpoint: dict[str, Any], position: dict[str, int] | None) -> None:
-    """Count the epoch under way as started in ``checkpoint``'s loop state, where Lightning did not.
+def count_epoch_under_way(trainer: pl.Trainer) -> None:
+    """Count the epoch of a starting training batch as ready and started, where Lightning did not.
 
     Lightning 2.6.6, resumed under ``max_epochs`` from a checkpoint written at an epoch's last batch
-    (``every_n_train_steps``), trains every later epoch without counting it as ready and started
-    (``fit_loop.epoch_progress``: ``ready == started == completed``). A mid-epoch checkpoint of such a
-    run then reads, to the run resumed from it, as one written between epochs: Lightning starts the
-    epoch's batch count at 0 (``batch_idx``, and so this library's data position, which the
-    checkpoint after that resumes too early in the epoch from) and expects a whole epoch from there
-    (it skips the validation at the epoch's end, whose loader draws from the RNG), though the data go
-    on where they stopped. ``position`` (:meth:`DataPosition.state_dict`) says whether an epoch is
-    under way; then its ``ready`` and ``started`` are counted here, as an uninterrupted run counts them.
+    (``every_n_train_steps``), trains the next epoch without counting it (nor calling
+    ``on_train_epoch_start``), and its ``fit_loop.epoch_progress`` stays one behind from then on
+    (``ready == completed`` while an epoch runs). A mid-epoch checkpoint of such a run read, to the
+    run resumed from it, as one written between epochs: Lightning counted the epoch's batches from 0
+    again (``batch_idx``, and so this library's data position, from which the next resume started
+    the epoch too early) and expected a whole epoch from there (it skipped the validation at the
+    epoch's end, whose loader draws from the RNG), though the data went on where they stopped. Called
+    when a training batch starts, when an uninterrupted run always has ``ready == completed + 1``.
     """
-    loop = checkpoint.get("loops", {}).get("fit_loop")
-    if loop is None or position is None or position["batches"] == 0:
-        return
-    progress = loop["epoch_progress"]
-    current = progress["current"]
-    if not current["ready"] == current["completed"] == position["epoch"]:
-        return
-    for counts in (progress["current"], progress["total"]):
-        if counts["ready"] == counts["completed"]:
-            counts["ready"] = counts["started"] = counts["completed"] + 1
+    progress = trainer.fit_loop.epoch_progress
+    if progress.current.ready == progress.current.completed:
+        progress.increment_ready()
+        progress.increment_started()
 
 
 def resumable_sampler(loader: object) -> ResumePoint | None:

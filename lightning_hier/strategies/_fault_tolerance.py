@@ -70,7 +70,6 @@ from lightning_hier.comm.membership import (
     replica_store,
 )
 from lightning_hier.rng import capture_rng
-from lightning_hier.strategies._data_position import repair_epoch_progress
 from lightning_hier.topology import ProcessGroups, Topology
 
 if TYPE_CHECKING:
@@ -421,7 +420,6 @@ class FaultTolerance:
         self.donating = True  # the replica itself, not a consensus: right after the round they are equal
         try:
             checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
-            repair_epoch_progress(checkpoint, strategy._data_position_state())
             checkpoint[LIVE_STATE_KEY] = strategy._rank_state(checkpoint)
             checkpoint[POINT_KEY] = self._point
         finally:

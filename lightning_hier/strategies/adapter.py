@@ -482,6 +482,7 @@ class HierStrategy(ParallelStrategy):
         self._finish.rearm()  # training goes on: the replicas may differ again
         module = self.lightning_module
         if module is not None and module._trainer is not None:
+            _data_position.count_epoch_under_way(module.trainer)
             self.data_position.batch_started(module.trainer.current_epoch, batch_idx)
         if self._step_open:  # manual optimization: the previous batch's steps are over
             self.allocation.step_ended()
@@ -601,7 +602,6 @@ class HierStrategy(ParallelStrategy):
         rank 0 only (``if trainer.is_global_zero: trainer.save_checkpoint(...)``) deadlocks.
         """
         filepath = self.broadcast(filepath)
-        _data_position.repair_epoch_progress(checkpoint, self._data_position_state())
         states = None
         if "optimizer_states" in checkpoint and self.fault_tolerance is None:  # not weights_only
             with self._replicas_in_place():
@@ -620,6 +620,7 @@ class HierStrategy(ParallelStrategy):
         """This rank's state, one entry per object."""
         assert self.lightning_module is not None
         module = self.lightning_module
+        batches = module.trainer.num_training_batches if module._trainer is not None else float("inf")
         return {
             "model": ckpt.detach_state(module.state_dict()),
             "optimizer_states": checkpoint.get("optimizer_states", []),
@@ -627,13 +628,8 @@ class HierStrategy(ParallelStrategy):
             "algorithm": ckpt.detach_state(self.sync.state_dict()),
             "allocation": ckpt.detach_state(self.allocation.state_dict()),
             "comm": self.comm_stats.state_dict(),
-            "data": self._data_position_state(),
+            "data": self.data_position.state_dict(batches),
         }
-
-    def _data_position_state(self) -> dict[str, int] | None:
-        module = self.lightning_module
-        batches = module.trainer.num_training_batches if module is not None and module._trainer is not None else None
-        return self.data_position.state_dict(float("inf") if batches is None else batches)
 
     @contextmanager
     def _replicas_in_place(self) -> Iterator[None]:
