@@ -201,11 +201,14 @@ class DiLoCo:
     def step(self) -> int:
         """Call after every optimizer step; returns how many fragments were synchronised or applied."""
         self.steps += 1
-        if self.guard is not None:  # fault tolerant (one fragment, no delay): each window's sync is a round
-            if self.steps % self.window != 0:
-                return 0
-            self.guard.run(self, self._sync_window, admit=True)
-            return 1
+        if self.guard is None:
+            return self._act()
+        if self.steps % self.window != 0:  # fault tolerant (one fragment, no delay): it acts at window ends
+            return 0
+        return self.guard.run(self, self._act, admit=True)  # each window's synchronisation is a round
+
+    def _act(self) -> int:
+        """Send, apply (and average the buffers) whatever is due at this step; how many fragments acted."""
         acted = 0
         for fragment in self.fragments:
             if fragment.apply_at == self.steps:
@@ -220,15 +223,6 @@ class DiLoCo:
         if self.flat_buffers is not None and self.steps % self.window == 0:
             all_reduce_mean_(self.flat_buffers.buckets, self.group, self.stats)
         return acted
-
-    def _sync_window(self) -> None:
-        """DiLoCo's synchronisation of the whole model (one fragment, applied at once), and the buffers'."""
-        (fragment,) = self.fragments
-        fragment.launch(self.steps, 0, self.group, self.stats)
-        self.syncs += 1
-        fragment.apply(self.world, self.alpha, self.stats)
-        if self.flat_buffers is not None:
-            all_reduce_mean_(self.flat_buffers.buckets, self.group, self.stats)
 
     def undo_point(self) -> Callable[[], None]:
         """How to undo a synchronisation that failed half-way (a fault-tolerant run): everything as now."""

@@ -1,7 +1,7 @@
 """Host a coordination ``TCPStore`` on an inherited listening socket until the launching process ends.
 
 The fork / spawn launcher of a fault-tolerant run keeps the replicas' store out of its own process
-(:func:`lightning_hier.comm.rendezvous.host_store_apart`): a store hosted there runs a server
+(:class:`lightning_hier.comm.rendezvous.StoreApart`): a store hosted there runs a server
 thread that resolves each connecting client's address (``getnameinfo``), and a replica forked
 while that thread holds glibc's resolver lock inherits the lock held by a thread it does not
 have, and deadlocks in its own first store connection. The launcher runs this file by its path,

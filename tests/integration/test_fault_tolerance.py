@@ -68,7 +68,7 @@ class _Net(pl.LightningModule):
         if doomed and self.in_round and self.trainer.global_step == self.kill_after - 1:
             # step kill_after ends with a round: the replica arrives, is counted in, and dies in its collective
             algorithm = self.trainer.strategy.sync.algorithm
-            round_of = "_sync_window" if hasattr(algorithm, "_sync_window") else "sync"  # DiLoCo's, the others'
+            round_of = "_act" if hasattr(algorithm, "_act") else "sync"  # DiLoCo's, the others'
             setattr(algorithm, round_of, lambda *_: os.kill(os.getpid(), signal.SIGKILL))
         elif doomed and not self.in_round and self.trainer.global_step == self.kill_after:
             os.kill(os.getpid(), signal.SIGKILL)
@@ -126,6 +126,18 @@ def _fit(
     t = trainer(strategy=strategy, devices=devices, max_epochs=EPOCHS, callbacks=list(callbacks), **validation)
     t.fit(module, DataLoader(_data(), batch_size=BATCH), DataLoader(_data(), batch_size=BATCH) if validation else None)
     return module
+
+
+def _slow_restarts(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
+    """Every restarted replica waits ``seconds`` before it connects (the forked replicas inherit the patch)."""
+    connect = FaultTolerance.connect
+
+    def slow_restart(self: FaultTolerance, *args: Any) -> None:
+        if self.incarnation > 0:
+            time.sleep(seconds)
+        connect(self, *args)
+
+    monkeypatch.setattr(FaultTolerance, "connect", slow_restart)
 
 
 def _shard_batch(replica: int, epoch: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -216,14 +228,7 @@ def test_hpsgd_drops_the_lost_window_rejoins_and_equals_the_reference(tmp_path, 
 
 
 def test_replica_0_killed_at_the_last_step_still_hands_back_the_finished_model(tmp_path, monkeypatch):
-    connect = FaultTolerance.connect
-
-    def slow_restart(self: FaultTolerance, *args: Any) -> None:
-        if self.incarnation > 0:
-            time.sleep(2.0)  # a restarted replica slower to start (imports, data) than the others to finish
-        connect(self, *args)
-
-    monkeypatch.setattr(FaultTolerance, "connect", slow_restart)  # the forked replicas inherit it
+    _slow_restarts(monkeypatch, 2.0)  # a restarted replica slower to start (imports, data) than the others to finish
     steps = STEPS_PER_EPOCH * EPOCHS
     module = _fit(tmp_path, kill_after=steps - 1, max_restarts=1, kill_replica=0)
     events = json.loads((tmp_path / "events1.json").read_text())
@@ -340,14 +345,7 @@ def test_bad_fault_tolerance_arguments_are_refused_before_any_process_starts():
 
 
 def test_a_replica_back_many_rounds_later_rejoins_and_the_model_equals_the_reference(tmp_path, monkeypatch):
-    connect = FaultTolerance.connect
-
-    def slow_restart(self: FaultTolerance, *args: Any) -> None:
-        if self.incarnation > 0:
-            time.sleep(1.5)  # a restart as slow as a torchrun job's, against steps of 20 ms: rounds go by
-        connect(self, *args)
-
-    monkeypatch.setattr(FaultTolerance, "connect", slow_restart)
+    _slow_restarts(monkeypatch, 1.5)  # a restart as slow as a torchrun job's, against steps of 20 ms: rounds go by
     module = _fit(tmp_path, kill_after=5, max_restarts=1, step_s=0.02)
     events = json.loads((tmp_path / "events0.json").read_text())
     left = next(e for e in events if e.get("left"))
