@@ -33,10 +33,12 @@ Calibration, all from the same invocation (nothing is fitted to the run being pr
   with the shared queue each worker sizes its claims after its *own* first steps, so the initial
   sizes last the slowest worker's first claims (:func:`with_claimed_warmup`);
 - bytes per epoch: the model's wire bytes plus :data:`HEADERS` (TCP/IP framing), plus the
-  ``no-comm`` run's bytes per epoch that were not its validation consensus (rendezvous store,
-  metric syncs), plus the consensus each epoch's validation needs (:func:`validation_bytes`:
-  HPSGD always, the averaging family when an epoch does not end on a round, GRAWA's asynchronous
-  rounds and the parameter-server strategies always); the payload column (what ``CommStats``
+  ``no-comm`` run's bytes per epoch that were neither its validation consensus nor its start-up
+  broadcast (rendezvous store, metric syncs), plus the start-up broadcast where the run sent one
+  (DDP and its peers always; the library's strategies only when the ranks' weights differed),
+  plus the consensus each epoch's validation needs (:func:`validation_bytes`: HPSGD always, the
+  averaging family when an epoch does not end on a round, GRAWA's asynchronous rounds and the
+  parameter-server strategies always); the payload column (what ``CommStats``
   counted over the fit) includes that consensus where ``CommStats`` counts it.
 
 The pipeline and the grid need the network's structure: per-block costs (their shares from the
@@ -244,13 +246,29 @@ def predict_run(label: str, run: dict[str, Any], result: dict[str, Any], world: 
 
 
 def _fixed_bytes_per_epoch(reference: dict[str, Any]) -> float:
-    """The ``no-comm`` run's bytes per epoch that are neither training nor its validation consensus."""
+    """The ``no-comm`` run's bytes per epoch that are neither training, its validation consensus nor its start."""
     if not reference.get("bytes_per_epoch"):
         return 0.0
     payload = reference["payload_bytes"][0] / reference["epochs"] if reference.get("payload_bytes") else 0.0
     ranks = int(reference.get("ranks") or 2)
     consensus = 2 * (ranks - 1) / ranks * payload  # a ring all-reduce sends 2 (p - 1) / p of its payload
-    return max(0.0, float(reference["bytes_per_epoch"]) - consensus)
+    return max(0.0, float(reference["bytes_per_epoch"]) - consensus - _start_bytes_per_epoch(reference))
+
+
+def _start_bytes_per_epoch(run: dict[str, Any], reference: dict[str, Any] | None = None) -> float:
+    """Wire bytes per epoch and rank of the run's start-up broadcast of rank 0's float32 model (0: skipped).
+
+    DDP's constructor always sends it; the library's strategies skip it when every rank already
+    holds rank 0's weights (runs recorded before they could skip it have no ``start_broadcast``).
+    The model is the ``reference`` run's (default: ``run``'s): the grid broadcasts the whole
+    network before it shards it, and records its shard.
+    """
+    if not run.get("start_broadcast", True) or not run.get("epochs"):
+        return 0.0
+    model = (reference or run).get("model") or {}
+    words = float(model.get("parameters") or 0) + float(model.get("float_buffers") or 0)
+    ranks = int(run.get("ranks") or 2)
+    return (ranks - 1) / ranks * 4 * words * (1 + HEADERS) / float(run["epochs"])  # a broadcast: (p - 1) / p n
 
 
 def _error(predicted: float, measured: float | None) -> str:
@@ -299,7 +317,8 @@ def predicted_table(result: dict[str, Any], world: int) -> str:
 
 def predicted_bytes(p: Prediction, run: dict[str, Any], result: dict[str, Any]) -> tuple[float, float]:
     """``(wire bytes per epoch and rank, payload bytes per rank over the fit)`` predicted for ``run``."""
-    overhead = _fixed_bytes_per_epoch(result["runs"].get(NO_COMM, {}))
+    reference = result["runs"].get(NO_COMM, {})
+    overhead = _fixed_bytes_per_epoch(reference)
     validation, validation_wire = validation_bytes(p, run)
     # EASGD's center catches up with the replicas at the end of the fit: one all-reduce of the model
     catch_up = 4 * float((run.get("model") or {}).get("parameters") or 0) if p.strategy == "easgd" else 0.0
@@ -308,7 +327,7 @@ def predicted_bytes(p: Prediction, run: dict[str, Any], result: dict[str, Any]) 
     wire = (p.wire_bytes_per_epoch + validation_wire + forward + 2 * share * catch_up / run["epochs"]) * (1 + HEADERS)
     drain = p.detail.get("drain", 0) * run["epochs"]  # the pipeline's drain iterations send too
     payload = p.payload_bytes * (run["steps"] + drain) + (validation + forward) * run["epochs"] + catch_up
-    return wire + overhead, payload
+    return wire + overhead + _start_bytes_per_epoch(run, reference), payload
 
 
 def _fill_models(results: dict[str, Any], logs_root: Path) -> None:

@@ -222,6 +222,8 @@ def _measurements(trainer: pl.Trainer, recorder: Recorder, cfg: Any, callbacks: 
         "cpu_s": recorder.cpu_s,
         "queued_s": recorder.queued_s,
         "comm": None if stats is None else stats.state_dict(),
+        # the library skips the start-up broadcast when the ranks already agree; DDP always sends it
+        "start_broadcast": bool(getattr(trainer.strategy, "start_broadcast", True)),
         "strategy_metrics": dict(getattr(trainer.strategy, "last_metrics", {}) or {}),
         "straggler_slept_s": slept,
         "peak_rss_mb": peak_rss_mb(),

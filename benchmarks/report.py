@@ -61,6 +61,7 @@ def summarize(scenario: Scenario, job: JobResult) -> dict[str, Any]:
         "intra_bytes": job.intra_bytes,
         "intra_bytes_per_epoch": sum(job.intra_bytes) / world / epochs if epochs else math.nan,
         "payload_bytes": [int(c["bytes"]) for c in comm] if comm else None,
+        "start_broadcast": ranks[0].get("start_broadcast", True),  # absent: recorded before the library could skip it
         "blocked_s": max(float(c["blocked_s"]) for c in comm) if comm else None,
         "blocked_estimated": False,
         "peak_rss_mb": max(float(r["peak_rss_mb"]) for r in ranks),

@@ -58,7 +58,7 @@ from typing_extensions import override
 
 from lightning_hier import _validate as v
 from lightning_hier.callbacks.dbs import DBSCallback
-from lightning_hier.comm import CommStats, broadcast_, broadcast_object
+from lightning_hier.comm import CommStats, broadcast_object, broadcast_unless_equal_
 from lightning_hier.comm.rendezvous import init_default_group
 from lightning_hier.rng import capture_rng, restore_rng
 from lightning_hier.strategies import _checkpoint as ckpt
@@ -178,6 +178,8 @@ class HierStrategy(ParallelStrategy):
         self.data_position = DataPosition()
         self.last_metrics: dict[str, float] = {}
         """The latest value of every metric the strategy reported (also those not handed to a logger)."""
+        self.start_broadcast: bool | None = None
+        """Whether the fit's start sent rank 0's weights (``False``: every rank held them; ``None``: not yet)."""
         self.last_step_args: tuple[tuple[Any, ...], dict[str, Any]] | None = None
         """The arguments of the latest ``training_step`` (a probe may re-run it on the side)."""
         self._num_nodes = 1
@@ -411,14 +413,19 @@ class HierStrategy(ParallelStrategy):
         self.model.to(self.root_device)
 
     def _sync_initial_state(self) -> None:
-        """Make every rank start from rank 0's weights (DDP does this in its constructor)."""
+        """Make every rank start from rank 0's weights (DDP does this in its constructor).
+
+        Ranks that already hold rank 0's weights (built from one seed) send only a digest: on a slow
+        link the float32 broadcast would cost more than many compressed rounds.
+        """
         assert self.lightning_module is not None
         tensors = list(self.lightning_module.parameters()) + list(self.lightning_module.buffers())
         if self.fault_tolerance is not None:
             self.fault_tolerance.broadcast_initial([t.data for t in tensors])
+            self.start_broadcast = True
             return
         with torch.no_grad():
-            broadcast_([t.data for t in tensors], src=0, group=dist.group.WORLD)
+            self.start_broadcast = broadcast_unless_equal_([t.data for t in tensors], src=0, group=dist.group.WORLD)
 
     # ------------------------------------------------------------------ one training step
     @override

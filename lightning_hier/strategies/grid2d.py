@@ -21,7 +21,7 @@ from typing_extensions import override
 
 from lightning_hier import _validate as v
 from lightning_hier.algorithms.averaging import float_buffers
-from lightning_hier.comm import broadcast_, broadcast_object
+from lightning_hier.comm import broadcast_object, broadcast_unless_equal_
 from lightning_hier.layers import (
     GridCommStats,
     GridContext,
@@ -303,7 +303,8 @@ class Grid2DStrategy(HierStrategy):
         assert module is not None and self.grid_context is not None
         if not is_grid_model(module):
             with torch.no_grad():  # every rank shards the same (rank 0's) network
-                broadcast_([t.data for t in [*module.parameters(), *module.buffers()]], 0, dist.group.WORLD)
+                tensors = [t.data for t in [*module.parameters(), *module.buffers()]]
+                self.start_broadcast = broadcast_unless_equal_(tensors, 0, dist.group.WORLD)
             network = network_path(module)
             to_grid(module, self.grid_context, self._example(module, network), network or "")
         return model

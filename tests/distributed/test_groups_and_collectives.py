@@ -6,6 +6,7 @@ from lightning_hier.comm import (
     all_reduce_mean_,
     all_reduce_sum_async,
     broadcast_,
+    broadcast_unless_equal_,
     gather_objects,
     wait_all,
 )
@@ -70,6 +71,33 @@ def test_collectives_and_accounting():
     assert all(o["mean"] == [1.0] * 4 and o["sum"] == [6.0, 6.0] and o["bcast"] == [1.0] * 3 for o in out)
     assert out[0]["gathered"] == [{"rank": 0}, {"rank": 1}, {"rank": 2}] and out[1]["gathered"] is None
     assert out[0]["bytes"] == 4 * 4 + 2 * 4 and out[0]["calls"] == 2
+
+
+def _start_states() -> dict:
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+
+    def state(differ: bool) -> list[torch.Tensor]:
+        weights = torch.linspace(-1, 1, 7)
+        if differ:  # one ulp in one element of rank 2's copy
+            weights[3] = torch.nextafter(weights[3], torch.tensor(2.0))
+        return [weights, torch.arange(5, dtype=torch.bfloat16), torch.tensor(float(rank == 1))]
+
+    out = {}
+    for case, differ in (("equal", False), ("one_ulp", rank == 2)):
+        tensors = state(differ)
+        tensors[2].fill_(1.0)  # a 0-dim buffer, equal on every rank
+        sent = broadcast_unless_equal_(tensors, src=1, group=dist.group.WORLD)
+        out[case] = (sent, [t.float().tolist() for t in tensors])
+    return out
+
+
+def test_the_start_up_broadcast_is_skipped_only_when_every_rank_already_holds_the_source_tensors():
+    out = run_workers(_start_states, devices=3)
+    expected = [torch.linspace(-1, 1, 7).tolist(), [0.0, 1.0, 2.0, 3.0, 4.0], 1.0]
+    for o in out:
+        assert o["equal"] == (False, expected)
+        assert o["one_ulp"] == (True, expected)  # every rank sends or skips together, and ends equal
 
 
 def test_no_group_means_nothing_to_do():
