@@ -46,6 +46,7 @@ from lightning_hier.algorithms.outer import OuterNesterov
 from lightning_hier.algorithms.round_guard import RoundGuard, restore_point
 from lightning_hier.comm import CommStats, FlatTensors, all_reduce_mean_, all_reduce_sum_async, group_size, wait_all
 from lightning_hier.comm.collectives import Group
+from lightning_hier.comm.quantized import gather_step, start_gathers
 
 __all__ = ["DiLoCo", "Fragment", "fragment_offsets", "split_fragments"]
 
@@ -211,6 +212,11 @@ class DiLoCo:
         """Send, apply (and average the buffers) whatever is due at this step; how many fragments acted."""
         acted = 0
         for fragment in self.fragments:
+            if (
+                fragment.apply_at is not None
+                and self.steps == fragment.synced_at + gather_step(self.delay) < fragment.apply_at
+            ):
+                start_gathers(fragment.works)  # a quantized reduction's second half, behind the steps until the apply
             if fragment.apply_at == self.steps:
                 fragment.apply(self.world, self.alpha, self.stats)
                 acted += 1

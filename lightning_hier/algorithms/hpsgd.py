@@ -73,9 +73,40 @@ from lightning_hier.algorithms.outer import OuterNesterov
 from lightning_hier.algorithms.round_guard import RoundGuard
 from lightning_hier.comm import CommStats, FlatTensors, all_reduce_sum_, all_reduce_sum_async, group_size, wait_all
 from lightning_hier.comm.collectives import Group, payload_bytes
+from lightning_hier.comm.quantized import QuantizedWork, gather_step, phase_completed, start_gathers
 
 MODES = ("fixed", "poll")
 MERGES = ("eager", "paper")
+AUTO = "auto"
+"""``delay='auto'``: the delay is the steps the second window's reduction took to complete."""
+
+
+def check_delay(owner: str, delay: Any, window: int, merge: str, mode: str) -> int | str | None:
+    """``delay`` checked: ``None``, ``'auto'`` or an integer in ``[1, window]``.
+
+    A delay below ``window`` (or ``'auto'``, which may choose one) needs ``merge='eager'`` (the
+    replica keeps its steps since the launch) and ``mode='fixed'`` (merges at counted steps).
+
+    Raises:
+        ValueError: Naming ``owner``, the argument and the bad value.
+    """
+    if delay is None:
+        return None
+    if delay != AUTO:
+        number = v.as_int(delay)
+        if number is None or not 1 <= number <= window:
+            raise ValueError(
+                f"{owner}: argument `delay` must be an integer in [1, window={window}] or 'auto', got {delay!r}."
+            )
+        delay = number
+    if delay == AUTO or delay < window:
+        why = f"(below window={window})" if delay != AUTO else f"(it may choose one below window={window})"
+        for name, value, allowed in (("merge", merge, "eager"), ("mode", mode, "fixed")):
+            if value != allowed:
+                raise ValueError(
+                    f"{owner}: argument `delay`={delay!r} {why} needs {name}={allowed!r}, got {name}={value!r}."
+                )
+    return delay
 
 
 @dataclass(frozen=True)
@@ -126,6 +157,10 @@ class HPSGD(HPSGDCheckpoint):
         optimizer: The inner optimizer, required for ``reset_optimizer_state``.
         reset_optimizer_state: Clear the inner optimizer's state (momentum, Adam moments) at
             every merge; by default it is kept across windows.
+        delay: Steps from a window's launch to its merge, in ``[1, window]`` (``None``: ``window``);
+            below ``window`` the launches stay every ``window`` steps and the merge comes sooner.
+            ``'auto'``: ``window`` for the first window, then the steps the second window's
+            reduction took to complete on every rank (agreed on ``control_group``), for the rest.
 
     Raises:
         ValueError: On a bad ``window``, ``mode``, ``merge``, ``compression``, outer argument, or
@@ -148,10 +183,9 @@ class HPSGD(HPSGDCheckpoint):
         control_group: Group = None,
         optimizer: Optimizer | None = None,
         reset_optimizer_state: bool = False,
-        delay: int | None = None,
+        delay: int | str | None = None,
     ) -> None:
         window = v.check_int("HPSGD", "window", window, minimum=1)
-        delay = window if delay is None else v.check_int("HPSGD", "delay", delay, minimum=1, maximum=window)
         for name, value, allowed in (
             ("mode", mode, MODES),
             ("merge", merge, MERGES),
@@ -161,12 +195,11 @@ class HPSGD(HPSGDCheckpoint):
                 raise ValueError(f"HPSGD: argument `{name}` must be one of {allowed}, got {value!r}.")
         if reset_optimizer_state and optimizer is None:
             raise ValueError("HPSGD: `reset_optimizer_state=True` needs the inner `optimizer`.")
-        if delay < window and (merge, mode) != ("eager", "fixed"):
-            raise ValueError(
-                f"HPSGD: argument `delay` ({delay}) below `window` ({window}) needs merge='eager' and "
-                f"mode='fixed', got merge={merge!r}, mode={mode!r}."
-            )
-        self.group, self.window, self.mode, self.merge, self.delay = group, window, mode, merge, delay
+        delay = check_delay("HPSGD", delay, window, merge, mode)
+        self.group, self.window, self.mode, self.merge = group, window, mode, merge
+        self.delay = window if delay is None or delay == AUTO else int(delay)
+        self.delay_chosen = delay != AUTO
+        """Whether :attr:`delay` is final (``delay='auto'``: from the second window's merge on)."""
         self.control_group = control_group if control_group is not None else group
         self.world = group_size(group)
         self.in_flight_world = self.world  # how many replicas' changes the in-flight sum holds
@@ -229,6 +262,10 @@ class HPSGD(HPSGDCheckpoint):
         if not self.launched:
             self._first_launch()
             return None
+        if not self.delay_chosen and self.merges == 1 and self.pending:
+            self._choose_delay()  # the second window: it starts its own gather
+        elif self.pending and self.since_launch == gather_step(self.delay):
+            start_gathers(self._works)  # a quantized reduction's second half, behind the steps until the merge
         if self.delay < self.window:  # merge `delay` steps after a launch, launch every `window` steps
             if self.pending and self.since_launch == self.delay:
                 return self._merge_early()
@@ -238,6 +275,24 @@ class HPSGD(HPSGDCheckpoint):
         if not self._ready():
             return None
         return self._merge()
+
+    def _choose_delay(self) -> None:
+        """``delay='auto'``: merge the second window at the first step its reduction is complete on every rank.
+
+        The first window's reduction is left out (a first collective may set up connections, so it
+        would over-state the delay). The steps the second one took become the delay of every later
+        window: the smallest that still hides this reduction behind compute. The agreement is a
+        MIN all-reduce of each rank's flag on ``control_group`` at each step of that one window
+        (as mode ``'poll'`` does at every step), so every rank merges at the same step.
+        """
+        if self.since_launch < self.window:
+            if not self._all_agree(all(phase_completed(w) for w in self._works)):
+                return
+            exchanged = [w for w in self._works if isinstance(w, QuantizedWork) and not w.gathering]
+            if exchanged:  # a quantized reduction's first half is done everywhere: its gather, at this step
+                start_gathers(exchanged)
+                return
+        self.delay, self.delay_chosen = self.since_launch, True
 
     @torch.no_grad()
     def _first_launch(self) -> None:
@@ -288,8 +343,10 @@ class HPSGD(HPSGDCheckpoint):
         return self._all_ranks_completed()
 
     def _all_ranks_completed(self) -> bool:
+        return self._all_agree(all(w.is_completed() for w in self._works))
+
+    def _all_agree(self, done: bool) -> bool:
         # a rank-local is_completed() differs between ranks; the MIN makes the decision common
-        done = all(w.is_completed() for w in self._works)
         if self.control_group is None:
             return done
         flag = torch.tensor([int(done)], dtype=torch.int32, device=self.replica[0].device)

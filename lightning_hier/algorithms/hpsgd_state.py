@@ -27,6 +27,8 @@ class _Parts(Protocol):
     launched: bool
     pending: bool
     first_window: bool
+    delay: int
+    delay_chosen: bool
     in_flight_world: int
     world: int
     flat: FlatTensors
@@ -75,6 +77,8 @@ class HPSGDCheckpoint:
             "pending": self.pending,
             "first_window": self.first_window,
             "global_model": self.global_tensors(),
+            "delay": self.delay,
+            "delay_chosen": self.delay_chosen,
         }
         if self.launched:
             state["in_flight"] = split(self.in_flight)
@@ -117,6 +121,8 @@ class HPSGDCheckpoint:
         self.since_launch = int(state["since_launch"])
         self.launched, self.first_window = bool(state["launched"]), bool(state["first_window"])
         self.pending = bool(state.get("pending", self.launched))  # without `delay`, launched means pending
+        if not self.delay_chosen and state.get("delay_chosen"):  # delay='auto', chosen before the checkpoint
+            self.delay, self.delay_chosen = int(state["delay"]), True
         self.flat.load(self.global_model, state["global_model"], "HPSGD", "global_model")
         if self.launched:
             self.flat.load(self.in_flight, state["in_flight"], "HPSGD", "in_flight")

@@ -30,7 +30,9 @@ to every rank (each gets the same reduced shard), so the result is the same numb
 
 Both collectives are launched in the background: :meth:`QuantizedWork.is_completed` advances the
 steps as far as the finished communication allows (it may be called between training steps), and
-:meth:`QuantizedWork.wait` finishes them.
+:meth:`QuantizedWork.wait` finishes them. A rule that overlaps the reduction with training starts the
+gather at a step fixed in advance (:func:`gather_step`, :func:`start_gathers`), the same on every
+rank, so that the ranks issue their collectives in one order.
 """
 
 from __future__ import annotations
@@ -132,6 +134,23 @@ class QuantizedWork:
         self.stats.add(sum(t.numel() * t.element_size() for t in inputs), calls=2)
         return [collective(o, i, group=self.group, async_op=True) for o, i in zip(outputs, inputs, strict=True)]
 
+    @property
+    def gathering(self) -> bool:
+        """Whether the gather (steps 3-5) has started."""
+        return self._gathered is not None
+
+    def phase_completed(self) -> bool:
+        """Whether the collectives of the current step have finished (starts nothing)."""
+        return self._done or all(w is None or w.is_completed() for w in self._works)
+
+    def start_gather(self) -> None:
+        """Wait for the exchange (steps 1-2) if it is still running, then start the gather; else nothing."""
+        if self._gathered is None and not self._done:
+            for work in self._works:
+                if work is not None:
+                    work.wait()
+            self._advance()
+
     def is_completed(self) -> bool:
         """Advance as far as the finished collectives allow; whether the result is in ``out``."""
         while not self._done and all(w is None or w.is_completed() for w in self._works):
@@ -169,6 +188,32 @@ class QuantizedWork:
         for c, s in zip(codes[1:], scales[1:], strict=True):  # in rank order: the same sum on every rank
             total = total + dequantize(c, s, self.bits, self.block)
         return total / self.world if self.mean else total
+
+
+def start_gathers(works: Sequence[Any]) -> None:
+    """Start the gather of every quantized reduction in ``works`` (waiting for its exchange first).
+
+    Call it at the same step on every rank: collectives on a group must be issued in one order,
+    so a rank may not start a gather when *it* sees the exchange finished while another rank
+    issues some other collective on the group meanwhile. Other works are left alone.
+    """
+    for work in works:
+        if isinstance(work, QuantizedWork):
+            work.start_gather()
+
+
+def gather_step(delay: int) -> int:
+    """Steps after its launch at which an overlapped quantized reduction starts its gather.
+
+    Halfway to the step that waits for it (the exchange and the gather send the same bytes), so
+    both halves hide behind compute; with ``delay = 1`` the wait itself starts it.
+    """
+    return max(1, -(-delay // 2))
+
+
+def phase_completed(work: Any) -> bool:
+    """Whether ``work``'s current collectives have finished, starting nothing (any ``dist.Work`` too)."""
+    return work.phase_completed() if isinstance(work, QuantizedWork) else bool(work.is_completed())
 
 
 class QuantizedErrorFeedback:

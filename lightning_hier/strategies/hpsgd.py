@@ -57,18 +57,23 @@ class HPSGDStrategy(HierStrategy):
             (default): ``window``, the paper's schedule, where the average merged is one window old.
             A smaller delay brings the others' changes in sooner (less staleness: better accuracy
             with momentum) and leaves the reduction ``delay`` steps of compute to hide behind;
-            the launches stay every ``window`` steps. Needs ``merge='eager'``, mode ``'fixed'``
-            and one level.
+            the launches stay every ``window`` steps. ``'auto'``: the first window merges at its
+            end, and every later one as many steps after its launch as the second window's
+            reduction took to complete on every rank (agreed by a one-byte all-reduce at each step
+            of that window; logged as ``hpsgd/delay``): one step on a fast link, the whole window
+            on a slow one, without knowing which beforehand. A delay below ``window`` (or
+            ``'auto'``) needs ``merge='eager'``, mode ``'fixed'`` and one level.
     {two_level}
         **kwargs: See :class:`~lightning_hier.strategies.HierStrategy` (``timeout``,
             ``start_method``, ...).
 
     Logged at every merge (also kept in ``last_metrics``): ``hpsgd/window`` (steps in the window
-    just closed), ``hpsgd/blocked_s`` (seconds waiting for the previous reduction: ~0 when it
-    was hidden), ``hpsgd/bytes`` (bytes launched for this window), ``hpsgd/consensus_distance``
-    (``||x - S||`` on this rank), ``hpsgd/merges``, and the running totals ``comm/bytes`` and
-    ``comm/blocked_s``; with ``inter_node_every`` also ``comm/bytes_intra``, ``comm/bytes_inter``
-    and (``intra_node='window'``) ``hpsgd/inter_merges``.
+    just closed), ``hpsgd/delay`` (steps from a launch to its merge), ``hpsgd/blocked_s``
+    (seconds waiting for the previous reduction: ~0 when it was hidden), ``hpsgd/bytes`` (bytes
+    launched for this window), ``hpsgd/consensus_distance`` (``||x - S||`` on this rank),
+    ``hpsgd/merges``, and the running totals ``comm/bytes`` and ``comm/blocked_s``; with
+    ``inter_node_every`` also ``comm/bytes_intra``, ``comm/bytes_inter`` and
+    (``intra_node='window'``) ``hpsgd/inter_merges``.
 
     Two levels (``inter_node_every=m``, ``intra_node='window'``): HPSGD runs unchanged inside each
     node over ``data_intra``; every ``m``-th merge the node's change since its last cross-node
@@ -99,7 +104,7 @@ class HPSGDStrategy(HierStrategy):
         sync_buffers: bool = True,
         reset_optimizer_state: bool = False,
         bucket_size_mb: float = 25.0,
-        delay: int | None = None,
+        delay: int | str | None = None,
         inter_node_every: int | None = None,
         intra_node: str = "window",
         **kwargs: Any,

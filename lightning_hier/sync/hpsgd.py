@@ -26,7 +26,7 @@ from typing_extensions import override
 from lightning_hier import _validate as v
 from lightning_hier.algorithms.averaging import float_buffers
 from lightning_hier.algorithms.compression import COMPRESSIONS
-from lightning_hier.algorithms.hpsgd import HPSGD, MERGES, MODES, Merge
+from lightning_hier.algorithms.hpsgd import AUTO, HPSGD, MERGES, MODES, Merge, check_delay
 from lightning_hier.algorithms.hpsgd_two_level import TwoLevelHPSGD
 from lightning_hier.algorithms.round_guard import RoundGuard
 from lightning_hier.sync.base import (
@@ -58,7 +58,8 @@ class HPSGDSync(Sync):
         reset_optimizer_state: Clear the inner optimizer's state at every merge.
         bucket_size_mb: Size bound of one flat buffer in MiB.
         delay: Optimizer steps from a window's launch to its merge, in ``[1, window]``; ``None``:
-            ``window`` (the paper's one-window-late average).
+            ``window`` (the paper's one-window-late average); ``'auto'``: the steps the second
+            window's reduction takes (:class:`~lightning_hier.algorithms.hpsgd.HPSGD`).
         levels: Flat (default) or two-level synchronisation.
         weights: DBS's sample weights of each rank's change (``dbs_hpsgd``); ``None``: the plain mean.
         owner: The name in error messages.
@@ -77,7 +78,7 @@ class HPSGDSync(Sync):
         sync_buffers: bool = True,
         reset_optimizer_state: bool = False,
         bucket_size_mb: float = 25.0,
-        delay: int | None = None,
+        delay: int | str | None = None,
         levels: Levels | None = None,
         weights: SampleWeights | None = None,
         owner: str = "HPSGDSync",
@@ -94,14 +95,8 @@ class HPSGDSync(Sync):
         self.sync_buffers, self.bucket_size_mb = check_bucket_options(owner, sync_buffers, bucket_size_mb)
         self.reset_optimizer_state = v.check_bool(owner, "reset_optimizer_state", reset_optimizer_state)
         self.levels = levels if levels is not None else Levels(owner)
-        self.delay = None if delay is None else v.check_int(owner, "delay", delay, minimum=1, maximum=self.window)
-        if self.delay is not None and self.delay < self.window:
-            for name, value, allowed in (("merge", self.merge, "eager"), ("mode", self.mode, "fixed")):
-                if value != allowed:
-                    raise ValueError(
-                        f"{owner}: argument `delay`={self.delay} (below window={self.window}) needs "
-                        f"{name}={allowed!r}, got {name}={value!r}."
-                    )
+        self.delay = check_delay(owner, delay, self.window, self.merge, self.mode)
+        if self.delay == AUTO or (isinstance(self.delay, int) and self.delay < self.window):
             self.levels.refuse("delay", self.delay, "two levels merge every window; leave delay unset")
         if self.compression in ("int8", "int4"):
             self.levels.refuse("compression", self.compression, "the quantized all-reduce runs over one flat group")
@@ -156,6 +151,8 @@ class HPSGDSync(Sync):
     def fault_tolerance_problem(self) -> str | None:
         if self.mode != "fixed":
             return "mode='poll' agrees on readiness every step"
+        if self.delay == AUTO:
+            return "delay='auto' agrees on readiness at every step of one window; give the delay as a number"
         if self.levels.enabled:
             return "two-level windows keep groups per node; fault tolerance is for one flat group"
         if self.compression in ("int8", "int4"):
@@ -176,8 +173,8 @@ class HPSGDSync(Sync):
                 algorithm.settle()
 
     def _poll_group(self, binding: Binding) -> dist.ProcessGroup | None:
-        """A second data group for mode 'poll''s readiness flag, so it never queues behind the bulk reduction."""
-        if self.mode != "poll" or binding.groups.data is None:
+        """A second data group for the readiness flag (mode 'poll', delay 'auto'): it never queues behind the bulk."""
+        if (self.mode != "poll" and self.delay != AUTO) or binding.groups.data is None:
             return None
         if self._control_group is None:  # a collective, once: every rank builds it in the same order
             self._control_group = binding.topology.build_second_group("data", binding.rank, binding.timeout)
@@ -210,8 +207,10 @@ class HPSGDSync(Sync):
         assert self._binding is not None
         stats = self._binding.stats
         levels = algorithm.metrics() if isinstance(algorithm, TwoLevelHPSGD) else self.levels.metrics(None, stats)
+        delay = {"hpsgd/delay": float(algorithm.delay)} if isinstance(algorithm, HPSGD) else {}
         return {
             **levels,
+            **delay,
             "hpsgd/window": float(merge.window),
             "hpsgd/blocked_s": merge.blocked_s,
             "hpsgd/bytes": float(merge.bytes),

@@ -1,5 +1,6 @@
 """The HPSGD state machine from a plain torch loop under real gloo groups, against hand references."""
 
+import time
 from functools import partial
 
 import pytest
@@ -8,6 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_hier.algorithms import HPSGD, float_buffers
+from lightning_hier.comm.quantized import QuantizedWork
 from lightning_hier.testing import run_workers
 from tests.hpsgd_reference import Reference, fixed_merge_steps, params_of
 from tests.toy_problem import cross_entropy as _loss
@@ -21,19 +23,29 @@ def _sgd(module: nn.Module, momentum: float = 0.0) -> torch.optim.Optimizer:
     return torch.optim.SGD(module.parameters(), lr=LR, momentum=momentum)
 
 
-def _train(window: int, mode: str = "fixed", momentum: float = 0.0, batch_norm: bool = False, **hp: object) -> dict:
-    """One rank: train its own data with HPSGD; record S after every merge and the final replica."""
+def _train(
+    window: int,
+    mode: str = "fixed",
+    momentum: float = 0.0,
+    batch_norm: bool = False,
+    pause_s: float = 0.0,
+    **hp: object,
+) -> dict:
+    """One rank: train its own data with HPSGD, ``pause_s`` more a step; record S after every merge and the end."""
     group = dist.group.WORLD if dist.is_initialized() else None
     rank = dist.get_rank() if group is not None else 0
     net = _net(batch_norm)
     opt = _sgd(net, momentum)
     buffers = float_buffers(net) if batch_norm else ()
+    if hp.get("delay") == "auto" and group is not None:  # the readiness flag beside the bulk, as the strategy does
+        hp["control_group"] = dist.new_group(list(range(dist.get_world_size())))
     algo = HPSGD(net.parameters(), group, window, mode, buffers=buffers, bucket_bytes=64, optimizer=opt, **hp)
     merge_steps, history = [], []
     for step in range(STEPS):
         opt.zero_grad()
         _loss(net, _batch(rank, step)).backward()
         opt.step()
+        time.sleep(pause_s)
         merge = algo.step()
         if merge is not None:
             merge_steps.append(algo.steps)
@@ -41,7 +53,12 @@ def _train(window: int, mode: str = "fixed", momentum: float = 0.0, batch_norm: 
             assert merge.window == (window if mode == "fixed" else merge.window)
     algo.finalize()
     history.append(params_of(net))
-    return {"merge_steps": merge_steps, "history": history, "buffers": [b.clone() for b in net.buffers()]}
+    return {
+        "merge_steps": merge_steps,
+        "history": history,
+        "buffers": [b.clone() for b in net.buffers()],
+        "delay": algo.delay,
+    }
 
 
 def _grid(cases: list[dict]) -> list[dict]:
@@ -221,3 +238,48 @@ def test_a_shorter_delay_merges_each_window_delay_steps_after_its_launch_as_the_
         if delay == window:  # the same model as the default schedule's reference
             same = _reference(world, fixed_merge_steps(window, STEPS), momentum=case["momentum"], merge="eager")
             torch.testing.assert_close(expected[-1], same[-1], atol=1e-6, rtol=0)
+
+
+AUTO = [  # (case, the delay it must choose)
+    ({"window": 4, "delay": "auto", "momentum": 0.9, "pause_s": 0.05}, 1),
+    # a quantized reduction has two collectives, and the second starts at a step boundary
+    ({"window": 3, "delay": "auto", "momentum": 0.9, "compression": "int4", "pause_s": 0.05, "batch_norm": True}, 2),
+]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_an_automatic_delay_merges_the_first_window_late_then_as_soon_as_a_reduction_hides_as_the_reference(world):
+    # a tiny payload beside 50 ms of compute a step: the second window's reduction is done after one step
+    results = run_workers(_grid, [case for case, _ in AUTO], devices=world, timeout=120)
+    for i, (case, delay) in enumerate(AUTO):
+        window = case["window"]
+        assert [r[i]["delay"] for r in results] == [delay] * world, case
+        extra = {k: v for k, v in case.items() if k in ("momentum", "batch_norm")}
+        expected = _make_reference(world, merge="eager", **_codec_args(case), **extra).run_delayed(
+            _batch, STEPS, window, delay, first_delay=window
+        )
+        steps = [1 + window, *_delayed_steps(window, delay)[1:]]
+        _assert_every_rank_matches(results, i, case, steps, expected, world)
+
+
+def _gathers() -> list[bool]:
+    """Whether the quantized reduction in flight had started its gather after each step (window 4, int4)."""
+    dist.init_process_group("gloo")
+    net = _net()
+    opt = _sgd(net)
+    algo = HPSGD(net.parameters(), dist.group.WORLD, 4, compression="int4", optimizer=opt)
+    seen = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        _loss(net, _batch(dist.get_rank(), step)).backward()
+        opt.step()
+        algo.step()
+        seen.append(any(isinstance(w, QuantizedWork) and w.gathering for w in algo._works))
+    algo.finalize()
+    return seen
+
+
+def test_a_quantized_reduction_starts_its_gather_halfway_to_its_merge_on_every_rank():
+    # launches at steps 1, 5, 9; each gather two steps later (not at the merge's wait), the same step on every rank
+    for seen in run_workers(_gathers, devices=2, timeout=120):
+        assert [step for step, on in enumerate(seen, 1) if on] == [3, 4, 7, 8, 11]

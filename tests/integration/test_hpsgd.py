@@ -69,7 +69,13 @@ def _fit_shards(window: int, epochs: int, hp: dict | None = None, **trainer_kwar
 
 
 def _reference(
-    world: int, window: int, epochs: int, accumulate: int = 1, delay: int | None = None, **kw: object
+    world: int,
+    window: int,
+    epochs: int,
+    accumulate: int = 1,
+    delay: int | None = None,
+    first_delay: int | None = None,
+    **kw: object,
 ) -> list[torch.Tensor]:
     steps_per_epoch = N // (BATCH * accumulate)
     total = steps_per_epoch * epochs
@@ -88,13 +94,14 @@ def _reference(
         **kw,
     )
     if delay is not None:
-        return ref.run_delayed(batch, total, window, delay)
+        return ref.run_delayed(batch, total, window, delay, first_delay)
     return ref.run(batch, total, fixed_merge_steps(window, total))
 
 
 EAGER = {"merge": "eager"}
 DILOCO = {"merge": "eager", "outer_lr": 0.7, "outer_momentum": 0.9, "compression": "bf16"}
 DELAYED = {"merge": "eager", "delay": 1}  # each window merged one step after its launch
+AUTO = {"merge": "eager", "delay": "auto"}  # the first window merged at its end, the others when their reduction is
 
 
 def _assert_equal_but_for_bf16_flips(a: torch.Tensor, b: torch.Tensor, where: str) -> None:
@@ -123,11 +130,26 @@ def _assert_equal_but_for_bf16_flips(a: torch.Tensor, b: torch.Tensor, where: st
         (4, 2, 2, EAGER, {}, EAGER),
         (2, 2, 2, DILOCO, {}, {"merge": "eager", "outer_lr": 0.7, "outer_momentum": 0.9, "bf16": True}),
         (2, 4, 2, DELAYED, {}, DELAYED),
+        (2, 4, 2, AUTO, {}, AUTO),
     ],
-    ids=["W2-H3", "W4-H2", "accumulation", "clipping", "eager-W2-H3", "eager-W4-H2", "eager-outer-bf16", "delay-1"],
+    ids=[
+        "W2-H3",
+        "W4-H2",
+        "accumulation",
+        "clipping",
+        "eager-W2-H3",
+        "eager-W4-H2",
+        "eager-outer-bf16",
+        "delay-1",
+        "delay-auto",
+    ],
 )
 def test_global_model_after_every_merge_matches_the_recurrence(world, window, epochs, hp, trainer_kwargs, ref_kwargs):
     out = run_workers(_fit_shards, window, epochs, hp, devices=world, **trainer_kwargs)
+    if ref_kwargs.get("delay") == "auto":  # the reference follows the delay the ranks agreed on
+        chosen = {int(result["metrics"]["hpsgd/delay"]) for result in out}
+        assert len(chosen) == 1 and 1 <= min(chosen) <= window, chosen
+        ref_kwargs = {**ref_kwargs, "delay": chosen.pop(), "first_delay": window}
     expected = _reference(world, window, epochs, **ref_kwargs)
     for rank, result in enumerate(out):
         assert len(result["history"]) == len(expected)
@@ -257,12 +279,13 @@ def test_validation_sees_the_next_merges_global_model_and_the_finished_one_at_th
     assert r0["val"] == r1["val"] and r0["test"] == r1["test"]
     # per-window metrics: logged through Lightning and kept on the strategy
     m = r0["metrics"]
-    assert m["hpsgd/window"] == 3 and m["hpsgd/bytes"] == 4 * r0["after_fit"].numel()
+    assert m["hpsgd/window"] == 3 and m["hpsgd/delay"] == 3 and m["hpsgd/bytes"] == 4 * r0["after_fit"].numel()
     assert m["hpsgd/consensus_distance"] > 0 and m["hpsgd/blocked_s"] >= 0
     assert m["hpsgd/merges"] == (22 - 1) // 3  # 11 steps per epoch: launch at step 1, merge every 3
     assert m["comm/bytes"] >= m["hpsgd/merges"] * m["hpsgd/bytes"]
     assert set(r0["logged"]) == {
         "hpsgd/window",
+        "hpsgd/delay",
         "hpsgd/blocked_s",
         "hpsgd/bytes",
         "hpsgd/consensus_distance",

@@ -258,6 +258,12 @@ def test_loading_a_state_of_another_model_or_buffer_policy_is_rejected():
         ({"reset_optimizer_state": 1}, "argument `reset_optimizer_state` must be True or False, got 1"),
         ({"bucket_size_mb": 0}, r"argument `bucket_size_mb` must be a finite number >= 0.001, got 0"),
         ({"timeout": -1}, "argument `timeout` must be a finite number in"),
+        ({"delay": "soon"}, r"argument `delay` must be an integer in \[1, window=2\] or 'auto', got 'soon'"),
+        ({"delay": 3}, r"argument `delay` must be an integer in \[1, window=2\] or 'auto', got 3"),
+        (
+            {"delay": "auto", "merge": "paper"},
+            r"argument `delay`='auto' \(it may choose one below window=2\) needs merge='eager', got merge='paper'",
+        ),
     ],
 )
 def test_bad_arguments_fail_at_construction_naming_argument_and_value(kwargs, message):
@@ -294,6 +300,22 @@ def test_registered_names_build_the_strategy(name, method):
 def test_a_shorter_delay_follows_the_delayed_recurrence_on_one_worker(delay):
     expected = Reference(_net, _opt, _loss, 1, merge="eager").run_delayed(_batch, STEPS, 4, delay)
     _assert_same_history(_history(4, merge="eager", delay=delay), expected)
+
+
+def test_an_automatic_delay_on_one_worker_merges_the_second_window_one_step_after_its_launch():
+    # nothing to wait for on one worker: the second window's reduction is "done" at its first step
+    expected = Reference(_net, _opt, _loss, 1, merge="eager").run_delayed(_batch, STEPS, 4, 1, first_delay=4)
+    _assert_same_history(_history(4, merge="eager", delay="auto"), expected)
+
+
+@pytest.mark.parametrize("stop", range(1, STEPS))
+def test_an_automatic_delay_round_trips_bit_identically_before_and_after_it_is_chosen(stop):
+    variant = {"window": 4, "delay": "auto", "merge": "eager"}
+    _, straight = _run(**variant)
+    snapshot, _ = _run(stop=stop, **variant)
+    _, resumed = _run(state=snapshot, **variant)
+    assert all(torch.equal(a, b) for a, b in zip(straight, resumed, strict=True))
+    assert snapshot["algo"]["delay_chosen"] == (stop >= 6) and snapshot["algo"]["delay"] == (1 if stop >= 6 else 4)
 
 
 @pytest.mark.parametrize("stop", range(1, STEPS))  # in flight, merged and waiting for the next launch
