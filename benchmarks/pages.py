@@ -61,13 +61,31 @@ FAMILIES: tuple[tuple[str, tuple[tuple[str, str, tuple[str, ...] | None], ...]],
     (
         "hpsgd",
         (
-            ("results.json", "hpsgd_mlp_100mbit", None),
+            (
+                "results.json",
+                "hpsgd_mlp_100mbit",
+                (
+                    "ddp",
+                    "hpsgd",
+                    "hpsgd-int4",
+                    "diloco-w8-int4",
+                    "diloco-w16-int4",
+                    "localsgd",
+                    "ddp+postlocalsgd",
+                    "ddp+powersgd",
+                    "ddp+fp16",
+                ),
+            ),
             (
                 "results.json",
                 "hpsgd_mlp",
                 ("ddp", "hpsgd", "hpsgd-paper", "localsgd", "ddp+postlocalsgd", "ddp+powersgd"),
             ),
-            ("results.json", "hpsgd_cnn", None),
+            (
+                "results.json",
+                "hpsgd_cnn",
+                ("ddp", "hpsgd", "hpsgd-auto", "hpsgd-d1", "ddp+postlocalsgd", "ddp+powersgd", "ddp+fp16"),
+            ),
         ),
     ),
     ("dbs", (("results.json", "dbs_straggler", None),)),

@@ -392,6 +392,7 @@ SCENARIOS: tuple[Scenario, ...] = (
         sooner_than_ddp_and_peers(0.1, "a 0.3 MB reduction hidden behind 8 steps"),
     ),
     Scenario("hpsgd_cnn_10mbit", "hpsgd", {"window": 8, "compression": "int4", "delay": 2}, label="hpsgd-d2"),
+    Scenario("hpsgd_cnn_10mbit", "hpsgd", {"window": 8, "compression": "int4", "delay": "auto"}, label="hpsgd-auto"),
     Scenario("hpsgd_cnn_10mbit", "diloco", {"window": 16, "compression": "int4"}, label="diloco-w16-int4"),
     Scenario("hpsgd_cnn_10mbit", "diloco", {"window": 8, "compression": "int4"}, label="diloco-w8-int4"),
     *ddp_peers("hpsgd_cnn_10mbit", period=8, hooks=("post_local_sgd", "powersgd")),
