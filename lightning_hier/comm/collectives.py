@@ -6,7 +6,6 @@ so algorithm code never reaches for a global default group by accident.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
@@ -16,6 +15,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_hier.comm.stats import CommStats
+from lightning_hier.digest import state_digest
 
 Group = dist.ProcessGroup | None
 
@@ -95,8 +95,9 @@ def broadcast_(tensors: Sequence[Tensor], src: int, group: Group, stats: CommSta
 def broadcast_unless_equal_(tensors: Sequence[Tensor], src: int, group: Group, stats: CommStats | None = None) -> bool:
     """Make every rank of ``group`` hold global rank ``src``'s tensors, sending them only if needed.
 
-    Each rank hashes its tensors' bytes (BLAKE2b, 16 bytes) and the digests are all-gathered; the
-    tensors are broadcast only when some rank's digest differs from ``src``'s. Ranks that built
+    Each rank hashes its tensors (:func:`~lightning_hier.digest.state_digest`, SHA-256) and the
+    digests are all-gathered; the tensors are broadcast only when some rank's digest differs from
+    ``src``'s. Ranks that built
     their model from one seed (``seed_everything`` before the model, Lightning's usual set-up)
     start equal, and on a slow link the start-up broadcast of a float32 model is worth many
     compressed rounds. Hashing moves each tensor to the CPU once, one tensor at a time.
@@ -106,11 +107,9 @@ def broadcast_unless_equal_(tensors: Sequence[Tensor], src: int, group: Group, s
     """
     if group is None:
         return False
-    digest = hashlib.blake2b(digest_size=16)
-    for t in tensors:
-        digest.update(t.detach().reshape(-1).view(torch.uint8).cpu().numpy().data)
     device = tensors[0].device if tensors else torch.device("cpu")
-    mine = torch.frombuffer(bytearray(digest.digest()), dtype=torch.uint8).to(device)
+    digest = bytearray.fromhex(state_digest(list(tensors)))
+    mine = torch.frombuffer(digest, dtype=torch.uint8).to(device)
     every = [torch.empty_like(mine) for _ in range(group_size(group))]
     dist.all_gather(every, mine, group=group)
     if stats is not None:

@@ -18,6 +18,7 @@ PURE = [
     "topology.py",
     "rng.py",
     "resumable.py",
+    "digest.py",
     "_validate.py",
     "_pids.py",
 ]
