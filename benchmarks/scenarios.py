@@ -321,6 +321,19 @@ def beats_ddp_and_peers(time_ratio: float, why: str) -> tuple[Target, ...]:
 SHORT_WINDOW_OUTER = {"outer_lr": 0.8, "outer_momentum": 0.5}
 
 
+def diloco_int4(
+    workload: str, window: int, target: Target | tuple[Target, ...] | None = None, fragments: int = 1
+) -> Scenario:
+    """DiLoCo with 4-bit outer gradients and :data:`SHORT_WINDOW_OUTER`, labelled ``diloco-w<window>[-f<F>]-int4``.
+
+    Streamed (``fragments > 1``), each fragment's reduction runs behind 2 steps of compute.
+    """
+    streamed = {"fragments": fragments, "fragment_sync_delay": 2} if fragments > 1 else {}
+    args = {"window": window, **streamed, "compression": "int4", **SHORT_WINDOW_OUTER}
+    label = f"diloco-w{window}{f'-f{fragments}' if fragments > 1 else ''}-int4"
+    return Scenario(workload, "diloco", args, target, label=label)
+
+
 # One line per (workload, strategy). Strategies not registered yet are skipped with a message.
 # Every run uses the workload's own optimizer (the experiment's Nesterov momentum 0.9): users
 # switch strategies without retuning, so no strategy gets an optimizer of its own here.
@@ -362,29 +375,13 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("hpsgd_mlp_100mbit", "hpsgd", {"window": 8, "compression": "bf16", "delay": "auto"}, label="hpsgd-auto"),
     # quantized window changes and DiLoCo's outer step: the fewest bytes (issue: 0.01x DDP's, half PowerSGD's)
     Scenario("hpsgd_mlp_100mbit", "hpsgd", {"window": 8, "compression": "int4"}, label="hpsgd-int4"),
-    Scenario(
-        "hpsgd_mlp_100mbit",
-        "diloco",
-        {"window": 8, "compression": "int4", **SHORT_WINDOW_OUTER},
-        label="diloco-w8-int4",
-    ),
-    Scenario(
-        "hpsgd_mlp_100mbit",
-        "diloco",
-        {"window": 8, "fragments": 2, "fragment_sync_delay": 2, "compression": "int4", **SHORT_WINDOW_OUTER},
-        label="diloco-w8-f2-int4",
-    ),
-    Scenario(
-        "hpsgd_mlp_100mbit",
-        "diloco",
-        {"window": 16, "fragments": 4, "fragment_sync_delay": 2, "compression": "int4", **SHORT_WINDOW_OUTER},
-        label="diloco-w16-f4-int4",
-    ),
+    diloco_int4("hpsgd_mlp_100mbit", 8),
+    diloco_int4("hpsgd_mlp_100mbit", 8, fragments=2),
+    diloco_int4("hpsgd_mlp_100mbit", 16, fragments=4),
     # 0.01x DDP's bytes needs one int4 payload per ~20 steps
-    Scenario(
+    diloco_int4(
         "hpsgd_mlp_100mbit",
-        "diloco",
-        {"window": 16, "compression": "int4", **SHORT_WINDOW_OUTER},
+        16,
         (
             Target("bytes_per_epoch", "<=", 0.01, "4-bit outer gradients every 16 steps"),
             Target("bytes_per_epoch", "<=", 0.5, "half of PowerSGD's rank-4 factors", versus="ddp+powersgd"),
@@ -392,16 +389,10 @@ SCENARIOS: tuple[Scenario, ...] = (
             Target("time_to_target_s", "<=", 0.2, "a 3 MB reduction every 16 steps"),
             Target("time_to_target_s", "<=", 0.75, "fewer bytes than the peer", versus="ddp+powersgd"),
         ),
-        label="diloco-w16-int4",
     ),
     # the paper's outer step (lr 0.7, Nesterov momentum 0.9), made for windows of hundreds of steps
     Scenario("hpsgd_mlp_100mbit", "diloco", {"window": 16, "compression": "int4"}, label="diloco-w16-int4-paper"),
-    Scenario(
-        "hpsgd_mlp_100mbit",
-        "diloco",
-        {"window": 24, "compression": "int4", **SHORT_WINDOW_OUTER},
-        label="diloco-w24-int4",
-    ),
+    diloco_int4("hpsgd_mlp_100mbit", 24),
     Scenario("hpsgd_mlp_100mbit", "localsgd", {"tau": 4}),
     *ddp_peers("hpsgd_mlp_100mbit", period=4),
     # a slow link: 4-bit payloads, hidden behind the window (HPSGD) or blocking every 16 steps (DiLoCo)
@@ -413,15 +404,8 @@ SCENARIOS: tuple[Scenario, ...] = (
     ),
     Scenario("hpsgd_cnn_10mbit", "hpsgd", {"window": 8, "compression": "int4", "delay": 2}, label="hpsgd-d2"),
     Scenario("hpsgd_cnn_10mbit", "hpsgd", {"window": 8, "compression": "int4", "delay": "auto"}, label="hpsgd-auto"),
-    Scenario(
-        "hpsgd_cnn_10mbit",
-        "diloco",
-        {"window": 16, "compression": "int4", **SHORT_WINDOW_OUTER},
-        label="diloco-w16-int4",
-    ),
-    Scenario(
-        "hpsgd_cnn_10mbit", "diloco", {"window": 8, "compression": "int4", **SHORT_WINDOW_OUTER}, label="diloco-w8-int4"
-    ),
+    diloco_int4("hpsgd_cnn_10mbit", 16),
+    diloco_int4("hpsgd_cnn_10mbit", 8),
     *ddp_peers("hpsgd_cnn_10mbit", period=8, hooks=("post_local_sgd", "powersgd")),
     Scenario("hpsgd_cnn", "hpsgd", {"window": 4}, Target("final_acc", ">=", 0.976, "within 1.5 points of DDP's ~0.63")),
     # the delay measured: here the reduction finishes within a step or two
