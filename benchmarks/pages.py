@@ -48,7 +48,7 @@ TOLERANCE = 0.15  # the simulator's accuracy: a prediction within 15 % of the me
 # The README's table "which strategy, measured": one run per kind of cluster, its workload and file.
 HEADLINES: tuple[tuple[str, str, str, str], ...] = (
     ("results.json", "hpsgd_mlp_100mbit", "hpsgd-auto", "slow link (100 Mbit/s), 21 MB model"),
-    ("results.json", "hpsgd_mlp", "hpsgd", "1 Gbit/s, all-reduce as long as a step's compute"),
+    ("results.json", "hpsgd_mlp", "hpsgd-d1", "1 Gbit/s, all-reduce as long as a step's compute"),
     ("results.json", "hpsgd_cnn", "hpsgd-auto", "1 Gbit/s, compute-bound"),
     ("results.json", "hpsgd_cnn_10mbit", "hpsgd-d2", "very slow link (10 Mbit/s), compute-bound CNN"),
     ("results.json", "grawa_cnn", "mgrawa", "1 Gbit/s, fewest bytes"),
@@ -79,7 +79,7 @@ FAMILIES: tuple[tuple[str, tuple[tuple[str, str, tuple[str, ...] | None], ...]],
             (
                 "results.json",
                 "hpsgd_mlp",
-                ("ddp", "hpsgd", "hpsgd-paper", "localsgd", "ddp+postlocalsgd", "ddp+powersgd"),
+                ("ddp", "hpsgd", "hpsgd-d1", "localsgd", "ddp+postlocalsgd", "ddp+powersgd"),
             ),
             (
                 "results.json",
