@@ -316,8 +316,9 @@ def beats_ddp_and_peers(time_ratio: float, why: str) -> tuple[Target, ...]:
 # DiLoCo's outer step for windows of 8-24 steps. The paper's lr 0.7 with Nesterov momentum 0.9 is
 # tuned for windows of hundreds of steps; over a 2-epoch run of ~25 outer steps its momentum
 # overshoots. Measured with window 16 and int4 (final accuracy, 2 ranks; the paper's values first):
-# hpsgd_mlp_100mbit 0.434 -> 0.451 (DDP 0.444), hpsgd_cnn_10mbit 0.486 -> 0.537 (DDP 0.568); the
-# one setting of six tried that did well on both (benchmarks/notes/2026-11-29-diloco-short-windows.md).
+# hpsgd_mlp_100mbit 0.434 -> 0.451 (DDP 0.444), hpsgd_cnn_10mbit 0.486 -> 0.537 (DDP 0.568); of
+# six settings tried on the MLP and three of them on the CNN, the best on the CNN and within 0.2
+# points of the best on the MLP (benchmarks/notes/2026-11-29-diloco-short-windows.md).
 SHORT_WINDOW_OUTER = {"outer_lr": 0.8, "outer_momentum": 0.5}
 
 
