@@ -97,10 +97,10 @@ def broadcast_unless_equal_(tensors: Sequence[Tensor], src: int, group: Group, s
 
     Each rank hashes its tensors (:func:`~lightning_hier.digest.state_digest`, SHA-256) and the
     digests are all-gathered; the tensors are broadcast only when some rank's digest differs from
-    ``src``'s. Ranks that built
-    their model from one seed (``seed_everything`` before the model, Lightning's usual set-up)
-    start equal, and on a slow link the start-up broadcast of a float32 model is worth many
-    compressed rounds. Hashing moves each tensor to the CPU once, one tensor at a time.
+    ``src``'s. Ranks that built their model from one seed (``seed_everything`` before the model,
+    Lightning's usual set-up) start equal, and on a slow link the start-up broadcast of a float32
+    model is worth many compressed rounds. Hashing moves each tensor to the CPU once, one tensor at
+    a time.
 
     Returns:
         Whether the tensors were broadcast.
