@@ -57,6 +57,7 @@ if TYPE_CHECKING or _LIGHTNING_ERROR is None:
         LsgdStrategy,
         NonFiniteError,
         SoftsyncStrategy,
+        TorchftStrategy,
         register_all,
     )
 
@@ -101,6 +102,7 @@ __all__ = [
     "NonFiniteError",
     "SoftsyncStrategy",
     "Topology",
+    "TorchftStrategy",
     "__version__",
 ]
 _STRATEGY_EXPORTS = frozenset(__all__) - {"Topology", "__version__"}

@@ -2,7 +2,7 @@
 
 Each registered name builds its objects (:mod:`lightning_hier.sync`) and hands them to the adapter;
 ``decoupled`` and ``grid2d`` are subclasses of it; the ``ddp_*`` peers are Lightning's DDP with one
-of torch's communication hooks.
+of torch's communication hooks; ``torchft_*`` run torchft's Local SGD and DiLoCo through the adapter.
 """
 
 from lightning.pytorch.strategies import StrategyRegistry
@@ -22,6 +22,7 @@ from lightning_hier.strategies.grid2d import Grid2DStrategy
 from lightning_hier.strategies.hpsgd import HPSGDStrategy
 from lightning_hier.strategies.param_server import AsgdStrategy, SoftsyncStrategy
 from lightning_hier.strategies.peers import DDPCommHookStrategy
+from lightning_hier.strategies.torchft_peer import TorchftStrategy
 
 STRATEGIES: tuple[type[HierStrategy], ...] = (
     LocalSGDStrategy,
@@ -44,12 +45,15 @@ STRATEGIES: tuple[type[HierStrategy], ...] = (
 def register_all() -> None:
     """Register every strategy name (and its ``_spawn`` / ``_fork`` variants) with Lightning.
 
-    Besides :data:`STRATEGIES`, the DDP peers of :class:`DDPCommHookStrategy` (a ``DDPStrategy``,
-    not a :class:`HierStrategy`): ``ddp_post_local_sgd``, ``ddp_powersgd``, ``ddp_fp16``.
+    Besides :data:`STRATEGIES`, the peers: those of :class:`DDPCommHookStrategy` (a ``DDPStrategy``,
+    not a :class:`HierStrategy`): ``ddp_post_local_sgd``, ``ddp_powersgd``, ``ddp_fp16``; and
+    :class:`TorchftStrategy`'s ``torchft_local_sgd`` and ``torchft_diloco`` (built only where
+    torchft is installed).
     """
     for cls in STRATEGIES:
         cls.register_strategies(StrategyRegistry)
     DDPCommHookStrategy.register_strategies(StrategyRegistry)
+    TorchftStrategy.register_strategies(StrategyRegistry)
 
 
 __all__ = [
@@ -73,5 +77,6 @@ __all__ = [
     "LsgdStrategy",
     "NonFiniteError",
     "SoftsyncStrategy",
+    "TorchftStrategy",
     "register_all",
 ]

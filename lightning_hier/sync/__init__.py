@@ -14,6 +14,7 @@ Lightning Fabric loop through :meth:`Sync.attach`, and on Lightning's own ``ddp`
 :class:`SpeedShares`                          DBS's allocation: batch shares that follow measured speed
 :class:`ServerSync`                           a parameter server on rank 0 (``asgd``, ``softsync``)
 :class:`Levels`                               flat, or two levels (inside the node, across nodes)
+:class:`TorchftSync`                          torchft's ``LocalSGD`` / ``DiLoCo`` (a peer to compare with)
 ============================================  =====================================================
 """
 
@@ -26,6 +27,7 @@ from lightning_hier.sync.hpsgd import HPSGDSync
 from lightning_hier.sync.levels import Levels
 from lightning_hier.sync.param_server import ServerShards, ServerSync
 from lightning_hier.sync.shared_queue import SharedQueue
+from lightning_hier.sync.torchft_peer import TorchftSync
 
 __all__ = [
     "Allocation",
@@ -43,4 +45,5 @@ __all__ = [
     "SharedQueue",
     "SpeedShares",
     "Sync",
+    "TorchftSync",
 ]

@@ -10,6 +10,8 @@ parameter-server strategies, which copy the user's optimizer onto the server, al
 
 from __future__ import annotations
 
+import importlib.util
+
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -40,7 +42,14 @@ NAMES = (
     "ddp_post_local_sgd",
     "ddp_powersgd",
     "ddp_fp16",
+    "torchft_local_sgd",
+    "torchft_diloco",
 )
+NEEDS_TORCHFT = pytest.mark.skipif(
+    importlib.util.find_spec("torchft") is None,
+    reason="torchft is not installed (pip install 'lightning-hier[torchft]')",
+)
+PARAMS = [pytest.param(n, marks=NEEDS_TORCHFT) if n.startswith("torchft_") else n for n in NAMES]
 MODULES = {"BoringModel": BoringModel, "UserModule": UserModule, "UserClassifier": UserClassifier}
 
 
@@ -52,7 +61,7 @@ def test_every_registered_name_is_covered():
 
 
 @pytest.mark.parametrize("module", list(MODULES))
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", PARAMS)
 def test_strategy_trains_a_users_module_at_default_arguments(name, module):
     torch.manual_seed(0)
     model: pl.LightningModule = MODULES[module]()
