@@ -139,16 +139,20 @@ def with_whole_rounds(p: Prediction, compute_s: float, run: dict[str, Any]) -> P
 
     A round fires every ``tau`` steps counted over the fit, so a fit of ``S`` steps completes
     ``floor(S / tau)`` rounds where the steady state spreads ``S / tau`` (a partial period at the end
-    is the final round, which :func:`validation_bytes` counts as each epoch's consensus). A 24-step
-    fit with GRAWA's default ``tau=32`` completes none: its steady state would add three quarters of
-    a round's bytes and time. ``compute_s``: the slowest worker's compute per step; the rest of the
-    steady step (the round, its probe and the wait for the slowest worker) scales with the rounds.
+    is the final round, which :func:`validation_bytes` counts as each epoch's consensus; torchft's
+    peers, whose validation needs none, count it here). A 24-step fit with GRAWA's default ``tau=32``
+    completes none: its steady state would add three quarters of a round's bytes and time.
+    ``compute_s``: the slowest worker's compute per step; the rest of the steady step (the round,
+    its probe and the wait for the slowest worker) scales with the rounds.
     """
-    tau = p.args.get("tau")
+    tau = p.args.get("tau", p.args.get("sync_every"))
     steps = mean_steps(run) if run.get("steps") else 0.0
     if tau is None or p.args.get("rounds") == "async" or steps <= 0:
         return p
-    share = math.floor(steps / int(tau)) * int(tau) / steps
+    rounds = math.floor(steps / int(tau))
+    if "sync_every" in p.args and rounds * int(tau) < steps:
+        rounds += 1  # torchft's peers: the end of fit averages the steps since the last round once
+    share = rounds * int(tau) / steps
     if share == 1.0:
         return p
     return replace(

@@ -1,8 +1,9 @@
-"""torch's DDP communication hooks as the benchmarks run them (:mod:`lightning_hier.strategies.peers`).
+"""torch's DDP communication hooks and torchft's algorithms as the benchmarks run them.
 
-These are the peers a user would pick instead of this library's strategies, so the simulator
-predicts them beside its own (per optimizer step, steady state; ``P`` parameter bytes, ``F``
-float-buffer bytes):
+The hooks are :mod:`lightning_hier.strategies.peers`, torchft's ``LocalSGD`` and ``DiLoCo``
+:mod:`lightning_hier.strategies.torchft_peer`. These are the peers a user would pick instead of
+this library's strategies, so the simulator predicts them beside its own (per optimizer step,
+steady state; ``P`` parameter bytes, ``F`` float-buffer bytes):
 
 ==================  ==================================================================================
 strategy            per optimizer step
@@ -15,6 +16,11 @@ ddp_powersgd        the model in one DDP bucket (what gloo needs): after the bac
                     factors) and the codec's CPU time (``Workload.codec_s_per_byte['powersgd']``)
 ddp_fp16            DDP (:func:`~lightning_hier.simulator.strategies.ddp`) with float16 gradients: half
                     the bytes in the same buckets
+torchft_local_sgd   torchft's ``LocalSGD`` (:mod:`lightning_hier.sync.torchft_peer`): local steps; every
+                    ``sync_every`` steps a quorum through the lighthouse, one blocking all-reduce per
+                    parameter tensor (float32; buffers are not synchronised) and ``should_commit``
+torchft_diloco      torchft's ``DiLoCo``: the same traffic (the pseudo-gradients in place of the
+                    parameters); its outer step's arithmetic is not modelled
 ==================  ==================================================================================
 
 PowerSGD (Vogels, Karimireddy and Jaggi, NeurIPS 2019) views each gradient as a ``n x m`` matrix
@@ -32,7 +38,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from lightning_hier.simulator.collectives import Comm, all_reduce, broadcast
+from lightning_hier.simulator.collectives import NONE, Comm, all_reduce, broadcast
 from lightning_hier.simulator.inputs import Cluster, Workload
 from lightning_hier.simulator.jitter import sync_wait
 from lightning_hier.simulator.prediction import Prediction, compute_s
@@ -144,4 +150,42 @@ def ddp_fp16(workload: Workload, cluster: Cluster, bucket_mb: float = 25.0) -> P
     return ddp_with_gradients(workload, cluster, bucket_mb, 2, "ddp_fp16")
 
 
-__all__ = ["MIN_COMPRESSION_RATE", "ddp_fp16", "ddp_post_local_sgd", "ddp_powersgd", "powersgd_words"]
+TORCHFT_ROUND_S = 0.004
+"""What a torchft synchronisation costs besides its all-reduces: the quorum (a request to the
+lighthouse that returns when every replica has asked) and ``should_commit`` (its own manager
+server). Measured on the benchmark machine's CPUs, two ranks over loopback, Lightning's
+``BoringModel`` (2 tensors, 264 bytes) synchronised every step: 4.0-4.9 ms blocked per round,
+the two all-reduces of a few hundred bytes included
+(``benchmarks/notes/2026-11-29-torchft-peers.md``)."""
+
+
+def _torchft(name: str, workload: Workload, cluster: Cluster, sync_every: int) -> Prediction:
+    """``sync_every`` local steps, then a quorum and one blocking all-reduce per parameter tensor."""
+    p, period = cluster.workers, int(sync_every)
+    tensors = workload.tensor_words or (workload.params,)
+    comm = sum((all_reduce(words * workload.word_bytes, p, cluster) for words in tensors), NONE)
+    work = [period * t for t in compute_s(workload, cluster)]
+    elapsed = max(work) + sync_wait(cluster, period) + TORCHFT_ROUND_S + comm.time_s
+    return periodic(name, workload, cluster, {"sync_every": period}, period, elapsed, min(work), comm, period - 1.0)
+
+
+def torchft_local_sgd(workload: Workload, cluster: Cluster, sync_every: int = 8) -> Prediction:
+    """Predict torchft's LocalSGD: the parameters averaged every ``sync_every`` steps, a tensor at a time."""
+    return _torchft("torchft_local_sgd", workload, cluster, sync_every)
+
+
+def torchft_diloco(workload: Workload, cluster: Cluster, sync_every: int = 8) -> Prediction:
+    """Predict torchft's DiLoCo: its pseudo-gradients travel as LocalSGD's parameters do."""
+    return _torchft("torchft_diloco", workload, cluster, sync_every)
+
+
+__all__ = [
+    "MIN_COMPRESSION_RATE",
+    "TORCHFT_ROUND_S",
+    "ddp_fp16",
+    "ddp_post_local_sgd",
+    "ddp_powersgd",
+    "powersgd_words",
+    "torchft_diloco",
+    "torchft_local_sgd",
+]

@@ -7,7 +7,13 @@ from typing import Any
 
 from lightning_hier.simulator.asynchronous import asgd, dbs_async, softsync
 from lightning_hier.simulator.inputs import Cluster, Workload
-from lightning_hier.simulator.peers import ddp_fp16, ddp_post_local_sgd, ddp_powersgd
+from lightning_hier.simulator.peers import (
+    ddp_fp16,
+    ddp_post_local_sgd,
+    ddp_powersgd,
+    torchft_diloco,
+    torchft_local_sgd,
+)
 from lightning_hier.simulator.prediction import Prediction
 from lightning_hier.simulator.strategies import (
     dbs,
@@ -44,9 +50,11 @@ MODELS: dict[str, Callable[..., Prediction]] = {
     "ddp_post_local_sgd": ddp_post_local_sgd,
     "ddp_powersgd": ddp_powersgd,
     "ddp_fp16": ddp_fp16,
+    "torchft_local_sgd": torchft_local_sgd,
+    "torchft_diloco": torchft_diloco,
 }
 """Registry name -> model (GRAWA's asynchronous rounds: ``mgrawa`` / ``lgrawa`` with ``rounds='async'``;
-torch's DDP hooks by their strategy names, :mod:`lightning_hier.simulator.peers`)."""
+torch's DDP hooks and torchft's algorithms by their strategy names, :mod:`lightning_hier.simulator.peers`)."""
 
 
 def predict(strategy: str, workload: Workload, cluster: Cluster, **args: Any) -> Prediction:

@@ -44,6 +44,8 @@ CANDIDATES: dict[str, list[dict[str, Any]]] = {
     "ddp_post_local_sgd": [{"model_averaging_period": t} for t in (2, 4, 8, 16, 32, 64)],
     "ddp_powersgd": [{"powersgd_rank": r} for r in (8, 4, 2, 1)],
     "ddp_fp16": [{}],
+    "torchft_local_sgd": [{"sync_every": t} for t in (2, 4, 8, 16, 32, 64)],
+    "torchft_diloco": [{"sync_every": h} for h in (8, 16, 32, 64, 128)],
 }
 """Arguments searched per row (the period, window or softsync's ``n`` in increasing order; PowerSGD's rank
 in decreasing order: the least compression within the tolerance is kept)."""

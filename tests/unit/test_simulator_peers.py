@@ -1,4 +1,4 @@
-"""The simulator's models of torch's DDP hooks (PostLocalSGD, PowerSGD, fp16) and the codecs' CPU time.
+"""The simulator's models of torch's DDP hooks (PostLocalSGD, PowerSGD, fp16), torchft's peers and the codecs' CPU time.
 
 PowerSGD's factor sizes are checked against torch's own ``PowerSGDState`` counters after a
 compressed step; the rest against closed forms computed here.
@@ -13,12 +13,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
-from benchmarks.fit_model import with_hook_warmup
+from benchmarks.fit_model import with_hook_warmup, with_whole_rounds
 from lightning_hier.models.networks import mlp, small_cnn
 from lightning_hier.planner import Link
 from lightning_hier.simulator import Cluster, Workload, all_reduce, predict
 from lightning_hier.simulator.calibrate import codec_seconds
-from lightning_hier.simulator.peers import powersgd_words
+from lightning_hier.simulator.peers import TORCHFT_ROUND_S, powersgd_words
 from lightning_hier.simulator.sweep import recommend, tune
 
 ALPHA, BYTE_S = 1e-5, 1e-9
@@ -140,6 +140,25 @@ def test_powersgd_over_a_fit_pays_its_plain_warmup_steps():
     fit = with_hook_warmup(p, {"steps": 10, "strategy_config": {"warmup_steps": 2}})
     assert fit.wire_bytes * 10 == pytest.approx(2 * all_reduce(w.param_bytes, 2, c).wire_bytes + 8 * p.wire_bytes)
     assert with_hook_warmup(predict("hpsgd", w, c), {"steps": 10}) == predict("hpsgd", w, c)  # not a hook
+
+
+@pytest.mark.parametrize("name", ["torchft_local_sgd", "torchft_diloco"])
+def test_torchft_sends_each_tensor_in_its_own_all_reduce_after_a_quorum(name):
+    w, c = _workload(buffers=1000), Cluster(2, LINK)  # buffers: torchft does not synchronise them
+    p = predict(name, w, c, sync_every=4)
+    # a ring all-reduce of n float32 words over 2 ranks: 2 messages, 4 n bytes on the wire
+    per_tensor = [2 * ALPHA + 4 * n * BYTE_S for n in w.tensor_words]
+    assert p.step_s == pytest.approx(32 * 3e-3 + 0.01 + (TORCHFT_ROUND_S + sum(per_tensor)) / 4)
+    assert p.wire_bytes == pytest.approx(4 * w.params / 4)
+    assert (p.staleness, p.args) == (3, {"sync_every": 4})
+
+
+@pytest.mark.parametrize(("steps", "rounds"), [(12, 3), (13, 4), (15, 4)])
+def test_torchft_over_a_fit_averages_the_last_partial_period_once(steps, rounds):
+    w, c = _workload(), Cluster(2, LINK)
+    p = predict("torchft_local_sgd", w, c, sync_every=4)
+    fit = with_whole_rounds(p, 32 * 3e-3 + 0.01, {"steps": steps})
+    assert fit.wire_bytes * steps == pytest.approx(rounds * 4 * w.params)
 
 
 def test_calibration_times_every_codec_on_a_group_of_one(one_rank_group):
