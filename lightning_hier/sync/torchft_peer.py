@@ -65,9 +65,10 @@ def require_torchft(owner: str) -> None:
 
     torchft's Rust servers log every quorum and commit at INFO (about ten lines per
     synchronisation and rank) unless ``RUST_LOG`` says otherwise; where it is unset, only their
-    warnings are shown (``RUST_LOG=torchft=info`` brings the rest back).
+    warnings are shown (``RUST_LOG=info`` brings the rest back; torchft's logger takes a level, not
+    per-module filters).
     """
-    os.environ.setdefault("RUST_LOG", "torchft=warn")  # read once, when torchft's extension loads
+    os.environ.setdefault("RUST_LOG", "warn")  # read once, when torchft's extension loads
     try:
         import torchft  # noqa: F401
     except ImportError as err:  # a missing package, or one of its broken dependencies

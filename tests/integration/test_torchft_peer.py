@@ -8,6 +8,9 @@ when torchft's hook never synchronises (replicas drift apart) or synchronises at
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -91,3 +94,24 @@ def test_registry_names_build_torchft_strategies():
 def test_bad_arguments_fail_at_construction(kwargs, match):
     with pytest.raises(ValueError, match=match):
         TorchftStrategy(**kwargs)
+
+
+QUIET_FIT = """
+import lightning.pytorch as pl
+from lightning.pytorch.demos.boring_classes import BoringModel
+from lightning_hier import TorchftStrategy
+
+trainer = pl.Trainer(strategy=TorchftStrategy(sync_every=2, start_method="fork"), accelerator="cpu", devices=2,
+                     max_steps=6, logger=False, enable_progress_bar=False, enable_checkpointing=False)
+trainer.fit(BoringModel())
+"""
+
+
+@pytest.mark.parametrize(("rust_log", "shown"), [(None, False), ("info", True)])
+def test_torchfts_servers_log_only_warnings_unless_rust_log_says_otherwise(rust_log, shown):
+    env = {k: v for k, v in os.environ.items() if k != "RUST_LOG"}
+    if rust_log is not None:
+        env["RUST_LOG"] = rust_log
+    done = subprocess.run([sys.executable, "-c", QUIET_FIT], env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert ("[INFO] [torchft::lighthouse]" in done.stderr) == shown  # a quorum per synchronisation at INFO
