@@ -25,7 +25,8 @@ What differs from torchft used on its own, and why:
   ``timeout``, as in every non-fault-tolerant strategy here.
 - At the end of training, replicas that took steps since their last synchronisation are averaged
   once more (torchft's ``LocalSGD.sync()``), as the PostLocalSGD peer does: validation, checkpoints
-  and the module after fit then hold one model. During fit, validation sees each rank's replica
+  and the module after fit then hold one model's parameters (torchft synchronises parameters only:
+  BatchNorm statistics stay each rank's own). During fit, validation sees each rank's replica
   (torchft has no consensus model).
 - The whole module is one fragment (torchft's ``DiLoCo`` takes a list of modules; cutting a
   LightningModule into modules is the user's model's business), so ``fragment_sync_delay`` and

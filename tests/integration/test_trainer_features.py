@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics.classification import MulticlassAccuracy
 
 import lightning_hier  # noqa: F401  (registers the names)
-from lightning_hier import DDPCommHookStrategy
+from lightning_hier import DDPCommHookStrategy, TorchftStrategy
 from lightning_hier.testing import WorkerFailed, run_workers
 from tests.helpers import trainer
 from tests.user_models import SameWeightsOnEveryRank, UserGAN
@@ -103,8 +103,9 @@ class ManualModule(FeatureModule):
 def _fit(
     strategy: Any, module: pl.LightningModule, tmp: str, ckpt_path: str | None = None, **kwargs: Any
 ) -> pl.Trainer:
-    # the DDP peers keep DDP's buffers: rank 0's, broadcast at each forward (so not the last forward's)
-    same = SameWeightsOnEveryRank(buffers=not isinstance(strategy, DDPCommHookStrategy))
+    # the peers keep their own buffers: DDP broadcasts rank 0's at each forward (so not the last forward's),
+    # torchft synchronises parameters only
+    same = SameWeightsOnEveryRank(buffers=not isinstance(strategy, DDPCommHookStrategy | TorchftStrategy))
     callbacks = [*kwargs.pop("callbacks", []), same]
     options = {"max_epochs": 2, "limit_val_batches": 4, "default_root_dir": tmp, "callbacks": callbacks}
     t = trainer(strategy=strategy, **{**options, **kwargs})
