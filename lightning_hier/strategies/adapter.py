@@ -590,6 +590,7 @@ class HierStrategy(ParallelStrategy):
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
         self.guard.on_exception(exception, self.launcher)
+        self.sync.abort()  # after the report: a server the rule holds may keep the process from exiting
 
     # ------------------------------------------------------------------ checkpoints
     @override

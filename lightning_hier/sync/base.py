@@ -193,6 +193,9 @@ class Sync:
     def pause(self) -> None:
         """Training stops for a while (the end of training): background work goes quiet."""
 
+    def abort(self) -> None:
+        """The run failed on this rank: release what the rule holds without a collective (peers may be gone)."""
+
     def state_dict(self) -> dict[str, Any]:
         return {}
 

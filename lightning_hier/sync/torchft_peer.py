@@ -21,8 +21,9 @@ What differs from torchft used on its own, and why:
 
 - ``min_replica_size`` is the number of replicas and ``init_sync=False``: the adapter has already
   given every rank rank 0's weights (a digest decides whether any are sent), and a peer in a
-  benchmark trains with a fixed membership. A lost replica therefore fails the run after
-  ``timeout``, as in every non-fault-tolerant strategy here.
+  benchmark trains with a fixed membership. A lost replica therefore fails the run, as in every
+  non-fault-tolerant strategy here; a rank still waiting in a quorum when it unwinds ends its
+  process at exit rather than wait out the quorum's timeout (:meth:`TorchftSync._exit_now_if_stuck`).
 - At the end of training, replicas that took steps since their last synchronisation are averaged
   once more (torchft's ``LocalSGD.sync()``), as the PostLocalSGD peer does: validation, checkpoints
   and the module after fit then hold one model's parameters (torchft synchronises parameters only:
@@ -43,6 +44,8 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
+import threading
 import time
 from contextlib import ExitStack
 from typing import Any
@@ -152,6 +155,7 @@ class TorchftSync(Sync):
         self.pause()  # a second fit: the first one's servers are gone already, or go now
         self._binding, self._since_sync = binding, 0
         self._stack = ExitStack()
+        threading._register_atexit(self._exit_now_if_stuck)  # type: ignore[attr-defined]  # see its docstring
         try:
             self._manager = self._start_manager(binding, self._stack)
             self._time_syncs(binding.optimizers[0], self._stack)
@@ -257,11 +261,36 @@ class TorchftSync(Sync):
         """Stop this run's manager, store and (rank 0) lighthouse once every rank is done with them."""
         if self._stack is None:
             return
-        binding, stack = self._binding, self._stack
-        self._stack, self._manager = None, None
+        binding = self._binding
         if binding is not None and binding.groups.data is not None:
             dist.barrier(group=binding.groups.data)  # no rank still in a quorum when the lighthouse goes
-        stack.close()
+        self.abort()
+
+    def _exit_now_if_stuck(self) -> None:
+        """At interpreter exit, end the process at once if a torchft quorum is still waiting.
+
+        A rank that unwinds from a failure (a peer died, a signal) leaves the quorum it was waiting
+        for running in the manager's executor thread, which the interpreter joins before it exits:
+        the process would stay for ``quorum_timeout`` (the strategy's ``timeout``), and shutting
+        torchft's servers down does not cancel the request. Runs before that join (callbacks
+        registered later run first), only when no clean end of training stopped the servers.
+        """
+        pending = getattr(self._manager, "_quorum_future", None)
+        if pending is not None and not pending.done():
+            print(f"{self.owner}: a torchft quorum is still waiting at exit; ending the process", file=sys.stderr)
+            sys.stderr.flush()
+            os._exit(1)
+
+    @override
+    def abort(self) -> None:
+        """Stop this rank's torchft servers at once (a failed run; also the end of :meth:`pause`).
+
+        A quorum in flight runs in the manager's executor thread, which the interpreter joins at
+        exit: without its servers it fails at once instead of waiting ``quorum_timeout``.
+        """
+        stack, self._stack = self._stack, None
+        if stack is not None:
+            stack.close()  # the manager object stays: at exit, its quorum may still be waiting
 
 
 def _load_replica(module: torch.nn.Module, optimizer: Optimizer, state: dict[str, Any]) -> None:

@@ -11,10 +11,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.demos.boring_classes import BoringModel
 
 pytest.importorskip("torchft")
 
@@ -115,3 +119,19 @@ def test_torchfts_servers_log_only_warnings_unless_rust_log_says_otherwise(rust_
     done = subprocess.run([sys.executable, "-c", QUIET_FIT], env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     assert ("[INFO] [torchft::lighthouse]" in done.stderr) == shown  # a quorum per synchronisation at INFO
+
+
+class FailOnRank1(Callback):
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_rank == 1 and trainer.global_step == 5:
+            raise RuntimeError("injected failure on rank 1")
+
+
+@pytest.mark.parametrize("algorithm", ["local_sgd", "diloco"])
+def test_a_failed_rank_ends_the_run_without_waiting_out_torchfts_quorum(algorithm):
+    """Rank 0 waits in the quorum of step 8 when rank 1 fails: it must not stay for the quorum's timeout."""
+    strategy = TorchftStrategy(algorithm, sync_every=4, start_method="fork", timeout=120)
+    start = time.monotonic()
+    with pytest.raises(Exception, match="injected failure on rank 1"):
+        trainer(strategy=strategy, max_steps=40, callbacks=[FailOnRank1()]).fit(BoringModel())
+    assert time.monotonic() - start < 60, "a rank waited out torchft's quorum timeout (120 s)"
