@@ -155,7 +155,10 @@ class TorchftSync(Sync):
         self.pause()  # a second fit: the first one's servers are gone already, or go now
         self._binding, self._since_sync = binding, 0
         self._stack = ExitStack()
-        threading._register_atexit(self._exit_now_if_stuck)  # type: ignore[attr-defined]  # see its docstring
+        # CPython's hook that concurrent.futures itself uses (3.9+); without it a failed run waits out the quorum
+        register = getattr(threading, "_register_atexit", None)
+        if register is not None:
+            register(self._exit_now_if_stuck)  # see its docstring
         try:
             self._manager = self._start_manager(binding, self._stack)
             self._time_syncs(binding.optimizers[0], self._stack)
