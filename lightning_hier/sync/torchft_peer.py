@@ -56,7 +56,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_hier import _validate as v
-from lightning_hier.comm import broadcast_object
+from lightning_hier.comm import broadcast_object, payload_bytes
 from lightning_hier.sync.base import Binding, Sync
 from lightning_hier.topology import Topology
 
@@ -226,9 +226,7 @@ class TorchftSync(Sync):
         update and ``after`` once torchft's hook has synchronised (or not).
         """
         assert self._binding is not None
-        module, stats, manager = self._binding.module, self._binding.stats, self._manager
-        payload = sum(p.numel() * p.element_size() for p in module.parameters())
-        tensors = sum(1 for _ in module.parameters())
+        module, manager = self._binding.module, self._manager
         start: list[float] = [0.0, 0.0]
 
         def before(*_: Any) -> None:
@@ -237,13 +235,20 @@ class TorchftSync(Sync):
         def after(*_: Any) -> None:
             self._since_sync += 1
             if manager.current_step() != start[1]:  # torchft committed a synchronisation in its hook
-                stats.blocked_s += time.perf_counter() - start[0]
-                stats.add(payload, calls=tensors)
-                self._since_sync = 0
+                self._count_sync(start[0])
 
         stack.callback(optimizer.register_step_post_hook(before).remove)
         stack.enter_context(self._wrapper(module, optimizer))
         stack.callback(optimizer.register_step_post_hook(after).remove)
+
+    def _count_sync(self, started: float) -> None:
+        """One synchronisation since ``started`` (``perf_counter``): one float32 all-reduce per parameter tensor."""
+        assert self._binding is not None
+        params = list(self._binding.module.parameters())
+        stats = self._binding.stats
+        stats.blocked_s += time.perf_counter() - started
+        stats.add(payload_bytes(params), calls=len(params))
+        self._since_sync = 0
 
     # ------------------------------------------------------------------ end of training
     @override
@@ -253,10 +258,9 @@ class TorchftSync(Sync):
             return {}
         from torchft.local_sgd import LocalSGD
 
-        with binding.stats.blocked():
-            LocalSGD(self._manager, binding.module, binding.optimizers[0], sync_every=1).sync()
-        binding.stats.add(sum(p.numel() * p.element_size() for p in binding.module.parameters()))
-        self._since_sync = 0
+        started = time.perf_counter()
+        LocalSGD(self._manager, binding.module, binding.optimizers[0], sync_every=1).sync()
+        self._count_sync(started)
         return {}
 
     @override
@@ -276,7 +280,7 @@ class TorchftSync(Sync):
         for running in the manager's executor thread, which the interpreter joins before it exits:
         the process would stay for ``quorum_timeout`` (the strategy's ``timeout``), and shutting
         torchft's servers down does not cancel the request. Runs before that join (callbacks
-        registered later run first), only when no clean end of training stopped the servers.
+        registered later run first); after a clean end of training no quorum is waiting.
         """
         pending = getattr(self._manager, "_quorum_future", None)
         if pending is not None and not pending.done():
@@ -286,10 +290,10 @@ class TorchftSync(Sync):
 
     @override
     def abort(self) -> None:
-        """Stop this rank's torchft servers at once (a failed run; also the end of :meth:`pause`).
+        """Stop this rank's torchft servers and hooks at once (a failed run; also the end of :meth:`pause`).
 
-        A quorum in flight runs in the manager's executor thread, which the interpreter joins at
-        exit: without its servers it fails at once instead of waiting ``quorum_timeout``.
+        Frees their ports and threads; a quorum already in flight is not cancelled by it (torchft's
+        request returns at its timeout): :meth:`_exit_now_if_stuck` ends such a process at exit.
         """
         stack, self._stack = self._stack, None
         if stack is not None:
