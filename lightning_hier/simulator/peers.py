@@ -38,11 +38,11 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from lightning_hier.simulator.collectives import NONE, Comm, all_reduce, broadcast
+from lightning_hier.simulator.collectives import Comm, all_reduce, broadcast
 from lightning_hier.simulator.inputs import Cluster, Workload
 from lightning_hier.simulator.jitter import sync_wait
 from lightning_hier.simulator.prediction import Prediction, compute_s
-from lightning_hier.simulator.strategies import ddp, ddp_with_gradients, periodic
+from lightning_hier.simulator.strategies import blocking_round, ddp, ddp_with_gradients, periodic
 
 MIN_COMPRESSION_RATE = 2.0
 """torch's ``PowerSGDState`` default: a matrix is compressed only if that shrinks it at least twice."""
@@ -163,10 +163,10 @@ def _torchft(name: str, workload: Workload, cluster: Cluster, sync_every: int) -
     """``sync_every`` local steps, then a quorum and one blocking all-reduce per parameter tensor."""
     p, period = cluster.workers, int(sync_every)
     tensors = workload.tensor_words or (workload.params,)
-    comm = sum((all_reduce(words * workload.word_bytes, p, cluster) for words in tensors), NONE)
+    quorum = Comm(TORCHFT_ROUND_S)  # no payload: the lighthouse's request and should_commit
+    comm = sum((all_reduce(words * workload.word_bytes, p, cluster) for words in tensors), quorum)
     work = [period * t for t in compute_s(workload, cluster)]
-    elapsed = max(work) + sync_wait(cluster, period) + TORCHFT_ROUND_S + comm.time_s
-    return periodic(name, workload, cluster, {"sync_every": period}, period, elapsed, min(work), comm, period - 1.0)
+    return blocking_round(name, workload, cluster, {"sync_every": period}, period, work, comm)
 
 
 def torchft_local_sgd(workload: Workload, cluster: Cluster, sync_every: int = 8) -> Prediction:

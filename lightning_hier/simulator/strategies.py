@@ -99,7 +99,7 @@ def periodic(
     )
 
 
-def _sync(
+def blocking_round(
     name: str, workload: Workload, cluster: Cluster, args: dict[str, Any], period: int, work: list[float], comm: Comm
 ) -> Prediction:
     """``period`` steps of compute (``work``: each worker's seconds for them), then a blocking ``comm``.
@@ -299,7 +299,7 @@ def _averaging(
 ) -> Prediction:
     work = [tau * t + probe / s for t, s in zip(compute_s(workload, cluster), cluster.speed_list, strict=True)]
     comm = _round(workload, cluster, sync_buffers, center)
-    return _sync(name, workload, cluster, {"tau": tau, "sync_buffers": sync_buffers}, tau, work, comm)
+    return blocking_round(name, workload, cluster, {"tau": tau, "sync_buffers": sync_buffers}, tau, work, comm)
 
 
 def localsgd(workload: Workload, cluster: Cluster, tau: int = 8, sync_buffers: bool = True) -> Prediction:
@@ -402,7 +402,7 @@ def dbs(
     p = cluster.workers
     grads = all_reduce(workload.param_bytes + _buffer_bytes(workload, sync_buffers), p, cluster)
     table = all_reduce(p * 4 * FLOAT64, p, cluster).times(1 / rebalance_every)
-    prediction = _sync("dbs", workload, cluster, {"rebalance_every": rebalance_every}, 1, work, grads + table)
+    prediction = blocking_round("dbs", workload, cluster, {"rebalance_every": rebalance_every}, 1, work, grads + table)
     prediction.detail["shares"] = shares
     return prediction
 

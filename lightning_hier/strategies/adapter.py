@@ -590,7 +590,7 @@ class HierStrategy(ParallelStrategy):
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
         self.guard.on_exception(exception, self.launcher)
-        self.sync.abort()  # after the report: a server the rule holds may keep the process from exiting
+        self.sync.abort()  # after the report: the rule's own servers and threads go (no collective: peers may be gone)
 
     # ------------------------------------------------------------------ checkpoints
     @override
