@@ -178,11 +178,18 @@ class Reference:
         self.V = [self.S.clone() for _ in self.modules]
 
     def run_delayed(
-        self, data: Callable[[int, int], Batch], total: int, window: int, delay: int, first_delay: int | None = None
+        self,
+        data: Callable[[int, int], Batch],
+        total: int,
+        window: int,
+        delay: int,
+        first_delay: int | None = None,
+        first_windows: int = 1,
     ) -> list[Tensor]:
         """HPSGD with ``delay``: launches at steps 1, 1 + H, ...; each merged ``delay`` steps later (eager rule).
 
-        ``first_delay``: the first window's delay instead (``delay='auto'`` merges it at ``window``).
+        ``first_delay``: the delay of the first ``first_windows`` windows instead (``delay='auto'``
+        merges the first two at ``window``, then chooses).
         Returns S after every merge and at the end, like :meth:`run`.
         """
         assert self.merge == "eager"
@@ -192,7 +199,8 @@ class Reference:
         last_launch = None
         for step in range(1, total + 1):
             self._train_step([data(w, step - 1) for w in range(len(self.modules))])
-            wait = first_delay if first_delay is not None and last_launch == 1 else delay
+            early = last_launch is not None and last_launch <= 1 + (first_windows - 1) * window
+            wait = first_delay if first_delay is not None and early else delay
             if pending is not None and last_launch is not None and step - last_launch == wait:
                 self._merge_delayed(pending, pending_buffers)
                 history.append(self.S.clone())

@@ -56,6 +56,7 @@ Pure torch: usable from a plain training loop::
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -71,14 +72,51 @@ from lightning_hier.algorithms.compression import COMPRESSIONS, Bf16ErrorFeedbac
 from lightning_hier.algorithms.hpsgd_state import HPSGDCheckpoint
 from lightning_hier.algorithms.outer import OuterNesterov
 from lightning_hier.algorithms.round_guard import RoundGuard
-from lightning_hier.comm import CommStats, FlatTensors, all_reduce_sum_, all_reduce_sum_async, group_size, wait_all
+from lightning_hier.comm import (
+    CommStats,
+    FlatTensors,
+    PhaseClock,
+    all_reduce_sum_,
+    all_reduce_sum_async,
+    group_size,
+    wait_all,
+)
 from lightning_hier.comm.collectives import Group, payload_bytes
-from lightning_hier.comm.quantized import QuantizedWork, gather_step, phase_completed, start_gathers
+from lightning_hier.comm.quantized import QuantizedWork, gather_step, start_gathers
 
 MODES = ("fixed", "poll")
 MERGES = ("eager", "paper")
 AUTO = "auto"
-"""``delay='auto'``: the delay is the steps the second window's reduction took to complete."""
+"""``delay='auto'``: the delay is chosen from the second window's reduction, timed (:func:`auto_delay`)."""
+AUTO_WAIT = 0.25
+"""``delay='auto'``: the wait per merge it accepts, in steps (a quarter step: under 7 % at window 4)."""
+
+
+def auto_delay(phase_s: Sequence[float], step_s: float, window: int, wait: float = AUTO_WAIT) -> int:
+    """The smallest delay in ``[1, window]`` at which a reduction is predicted to block at most ``wait`` steps.
+
+    ``phase_s`` are the reduction's phases, run back to back: one for an all-reduce; two for a
+    quantized one, its exchange and then its gather, which starts :func:`gather_step` steps after
+    the launch (or when the exchange ends, if later). With delay ``D`` and step time ``t`` a rank
+    waits ``max(0, a - D t)`` for one phase of ``a`` seconds, and for two (``a`` then ``b``,
+    ``g = gather_step(D) t``) ``max(0, a - g) + max(0, g + b - D t)``: for a late exchange when it
+    starts the gather, then for the gather at the merge. ``window`` when no delay is short enough.
+
+    A shorter delay brings the other ranks' changes in sooner (``docs/guide/strategies/hpsgd.md``
+    has the accuracies), so the smallest delay that hides the reduction is the best one.
+    """
+    if step_s <= 0:
+        return 1 if not any(phase_s) else window
+    for delay in range(1, window + 1):
+        if len(phase_s) == 1:
+            blocked = max(0.0, phase_s[0] - delay * step_s)
+        else:
+            exchange, gather = phase_s
+            start = gather_step(delay) * step_s
+            blocked = max(0.0, exchange - start) + max(0.0, start + gather - delay * step_s)
+        if blocked <= wait * step_s:
+            return delay
+    return window
 
 
 def check_delay(owner: str, delay: Any, window: int, merge: str, mode: str) -> int | str | None:
@@ -159,8 +197,8 @@ class HPSGD(HPSGDCheckpoint):
             every merge; by default it is kept across windows.
         delay: Steps from a window's launch to its merge, in ``[1, window]`` (``None``: ``window``);
             below ``window`` the launches stay every ``window`` steps and the merge comes sooner.
-            ``'auto'``: ``window`` for the first window, then the steps the second window's
-            reduction took to complete on every rank (agreed on ``control_group``), for the rest.
+            ``'auto'``: ``window`` for the first two windows, then :func:`auto_delay`'s choice
+            from the second one's reduction, timed on every rank (agreed on ``control_group``).
 
     Raises:
         ValueError: On a bad ``window``, ``mode``, ``merge``, ``compression``, outer argument, or
@@ -199,7 +237,7 @@ class HPSGD(HPSGDCheckpoint):
         self.group, self.window, self.mode, self.merge = group, window, mode, merge
         self.delay = window if delay is None or delay == AUTO else int(delay)
         self.delay_chosen = delay != AUTO
-        """Whether :attr:`delay` is final (``delay='auto'``: from the second window's merge on)."""
+        """Whether :attr:`delay` is final (``delay='auto'``: from the second window's merge on, once timed)."""
         self.control_group = control_group if control_group is not None else group
         self.world = group_size(group)
         self.in_flight_world = self.world  # how many replicas' changes the in-flight sum holds
@@ -223,6 +261,8 @@ class HPSGD(HPSGDCheckpoint):
         self.global_buffers: list[Tensor] = self.flat_buffers.clone() if self.flat_buffers else []
         self._buffers_in_flight: list[Tensor] = self.flat_buffers.zeros_like() if self.flat_buffers else []
         self._works: list[dist.Work] = []
+        self._timing: list[PhaseClock] | None = None  # delay='auto': the in-flight reduction's, until chosen
+        self._launched_at = 0.0
         self._replica: tuple[list[Tensor], list[Tensor]] | None = None  # saved while in consensus()
         self.launched = False
         self.pending = False  # a launched window not merged yet (with delay == window: always, once launched)
@@ -262,9 +302,7 @@ class HPSGD(HPSGDCheckpoint):
         if not self.launched:
             self._first_launch()
             return None
-        if not self.delay_chosen and self.merges == 1 and self.pending:
-            self._choose_delay()  # the second window: it starts its own gather
-        elif self.pending and self.since_launch == gather_step(self.delay):
+        if self.pending and self.since_launch == gather_step(self.delay):
             start_gathers(self._works)  # a quantized reduction's second half, behind the steps until the merge
         if self.delay < self.window:  # merge `delay` steps after a launch, launch every `window` steps
             if self.pending and self.since_launch == self.delay:
@@ -276,23 +314,35 @@ class HPSGD(HPSGDCheckpoint):
             return None
         return self._merge()
 
-    def _choose_delay(self) -> None:
-        """``delay='auto'``: merge the second window at the first step its reduction is complete on every rank.
+    def _choose_delay(self, compute_s: float) -> None:
+        """``delay='auto'``: from the window just waited for, the delay of every later window.
 
-        The first window's reduction is left out (a first collective may set up connections, so it
-        would over-state the delay). The steps the second one took become the delay of every later
-        window: the smallest that still hides this reduction behind compute. The agreement is a
-        MIN all-reduce of each rank's flag on ``control_group`` at each step of that one window
-        (as mode ``'poll'`` does at every step), so every rank merges at the same step.
+        Each rank times its reduction from its launch to the completion of its collectives (a
+        :class:`~lightning_hier.comm.PhaseClock`, per phase for a quantized one) and its steps'
+        compute over the window (``compute_s``), and proposes :func:`auto_delay`'s choice. The
+        ranks take the smallest proposal (a MIN all-reduce on ``control_group``): a rank that
+        launched early also timed its wait for the others, which no delay hides; the one that
+        launched last timed the transfer alone. Without the timings (the window was launched
+        before a resume) the choice waits for the next window.
         """
-        if self.since_launch < self.window:
-            if not self._all_agree(all(phase_completed(w) for w in self._works)):
-                return
-            exchanged = [w for w in self._works if isinstance(w, QuantizedWork) and not w.gathering]
-            if exchanged:  # a quantized reduction's first half is done everywhere: its gather, at this step
-                start_gathers(exchanged)
-                return
-        self.delay, self.delay_chosen = self.since_launch, True
+        if self.world == 1:  # nothing to wait for
+            self.delay, self.delay_chosen = 1, True
+            return
+        step_s = compute_s / max(1, self.since_launch)
+        proposal = 0 if self._timing is None else auto_delay([c.elapsed() for c in self._timing], step_s, self.window)
+        self._timing = None
+        chosen = self._agree_min(proposal)  # 0: a rank has no timing
+        if chosen > 0:
+            self.delay, self.delay_chosen = chosen, True
+
+    def _agree_min(self, value: int) -> int:
+        if self.control_group is None:
+            return value
+        tensor = torch.tensor([value], dtype=torch.int32, device=self.replica[0].device)
+        with self.stats.blocked():
+            dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.control_group)
+        self.stats.add(payload_bytes([tensor]))
+        return int(tensor.item())
 
     @torch.no_grad()
     def _first_launch(self) -> None:
@@ -347,18 +397,15 @@ class HPSGD(HPSGDCheckpoint):
 
     def _all_agree(self, done: bool) -> bool:
         # a rank-local is_completed() differs between ranks; the MIN makes the decision common
-        if self.control_group is None:
-            return done
-        flag = torch.tensor([int(done)], dtype=torch.int32, device=self.replica[0].device)
-        with self.stats.blocked():
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.control_group)
-        self.stats.add(payload_bytes([flag]))
-        return bool(flag.item())
+        return bool(self._agree_min(int(done)))
 
     @torch.no_grad()
     def _merge(self) -> Merge:
         window = self.since_launch
+        compute_s = time.perf_counter() - self._launched_at - (self.stats.blocked_s - self._blocked_mark)
         distance = self._close_window(admit=True)
+        if not self.delay_chosen and self.merges >= 1:  # the first reduction may also set up connections
+            self._choose_delay(compute_s)
         self._restart()
         blocked = self.stats.blocked_s - self._blocked_mark
         self.merges += 1
@@ -425,6 +472,7 @@ class HPSGD(HPSGDCheckpoint):
         """
         if self.change_weight != 1.0:
             torch._foreach_mul_(self._delta + self._buffers_in_flight, self.change_weight)
+        clock = PhaseClock()
         if isinstance(self.codec, QuantizedChange):  # its own all-reduce; the buffers' goes beside it
             works: list[Any] = [self.codec.launch(self._delta, self.group, self.stats)] if self.group else []
             self._works = works + all_reduce_sum_async(self._buffers_in_flight, self.group, self.stats)
@@ -437,10 +485,14 @@ class HPSGD(HPSGDCheckpoint):
                 self._sent = [t.clone() for t in self._payload()]
                 self._send_group, self._settling = self.group, True
             self._works = all_reduce_sum_async(self._payload(), self.group, self.stats)
+        if not self.delay_chosen:
+            quantized = next((w for w in self._works if isinstance(w, QuantizedWork)), None)
+            self._timing = quantized.phases if quantized is not None else [clock.track(self._works)]
         self.in_flight_world = self.world
         self.since_launch = 0
         self.pending = True
         self._blocked_mark = self.stats.blocked_s
+        self._launched_at = clock.start
 
     def _payload(self) -> list[Tensor]:
         return self.in_flight + self._buffers_in_flight

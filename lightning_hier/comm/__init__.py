@@ -3,6 +3,7 @@
 This layer imports torch only (never lightning or hydra).
 """
 
+from lightning_hier.comm.clock import PhaseClock
 from lightning_hier.comm.collectives import (
     all_reduce_mean_,
     all_reduce_sum_,
@@ -29,6 +30,7 @@ __all__ = [
     "Mailbox",
     "Parcel",
     "PeerError",
+    "PhaseClock",
     "Segment",
     "all_reduce_mean_",
     "all_reduce_sum_",

@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_hier.comm.clock import PhaseClock
 from lightning_hier.comm.collectives import Group, group_size
 from lightning_hier.comm.stats import CommStats
 
@@ -121,6 +122,8 @@ class QuantizedWork:
         self._received = (torch.empty_like(codes), torch.empty_like(scales))
         self._gathered: tuple[list[Tensor], list[Tensor]] | None = None
         self._done = False
+        self.phases: list[PhaseClock] = []
+        """The exchange's and (once started) the gather's timings; empty with one rank."""
         self._works = self._exchange(self._received, (codes, scales), dist.all_to_all_single)
 
     def _exchange(self, outputs: tuple[Any, Any], inputs: tuple[Tensor, Tensor], collective: Any) -> list[Any]:
@@ -132,7 +135,10 @@ class QuantizedWork:
         # the payload handed to the collective, as CommStats counts an all-reduce's; on the wire a
         # rank sends (W - 1) / W of an all_to_all's input and W - 1 copies of an all_gather's
         self.stats.add(sum(t.numel() * t.element_size() for t in inputs), calls=2)
-        return [collective(o, i, group=self.group, async_op=True) for o, i in zip(outputs, inputs, strict=True)]
+        clock = PhaseClock()
+        works = [collective(o, i, group=self.group, async_op=True) for o, i in zip(outputs, inputs, strict=True)]
+        self.phases.append(clock.track(works))
+        return works
 
     @property
     def gathering(self) -> bool:

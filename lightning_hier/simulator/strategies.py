@@ -49,12 +49,12 @@ wait for the slowest worker (:mod:`lightning_hier.simulator.jitter`). The asynch
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
 from lightning_hier.algorithms.decoupled.schedule import Schedule
+from lightning_hier.algorithms.hpsgd import auto_delay
 from lightning_hier.planner.cost import Layer, inference_cost, network_cost
 from lightning_hier.simulator.collectives import NONE, Comm, all_reduce, broadcast, overlapped, p2p
 from lightning_hier.simulator.inputs import Cluster, Workload, split_blocks
@@ -210,12 +210,14 @@ def hpsgd(
     (the all-to-all and all-gather of :mod:`lightning_hier.comm.quantized` move the same bytes),
     and every compressed form adds its codec's CPU time (``Workload.codec_s_per_byte``) to the
     window: the training thread encodes and decodes. With ``delay`` the reduction hides behind
-    ``delay`` steps instead of the window's ``window``; ``'auto'`` is :func:`auto_delay`'s.
+    ``delay`` steps instead of the window's ``window``; ``'auto'`` is
+    :func:`~lightning_hier.algorithms.hpsgd.auto_delay`'s, from the predicted reduction.
     """
     comm = _change_reduction(workload, cluster, workload.params, compression, _buffer_bytes(workload, sync_buffers))
     work = compute_s(workload, cluster)
     if delay == "auto":
-        delay = auto_delay(comm.time_s, max(work), window, 2 if compression in ("int8", "int4") else 1)
+        phases = 2 if compression in ("int8", "int4") else 1  # the quantized exchange and gather
+        delay = auto_delay([comm.time_s / phases] * phases, max(work), window)
     hidden = window if delay is None else int(delay)
     codec = workload.codec_s(compression, workload.param_bytes)  # encoded at the launch, on the training thread
     period, _ = overlapped(hidden * max(work), comm, cluster)
@@ -223,16 +225,6 @@ def hpsgd(
     fastest = window * min(work) + codec + cluster.cpu_s_per_byte * comm.wire_bytes
     args = {"window": window, "compression": compression, "sync_buffers": sync_buffers, "delay": delay}
     return periodic("hpsgd", workload, cluster, args, window, period, fastest, comm, float(hidden))
-
-
-def auto_delay(reduction_s: float, step_s: float, window: int, phases: int = 1) -> int:
-    """The delay HPSGD's ``delay='auto'`` settles on: the steps one reduction takes, at most ``window``.
-
-    Completion is seen at step boundaries, and a quantized reduction's second collective starts
-    at one (``phases=2``), so each phase takes whole steps.
-    """
-    per_phase = math.ceil(reduction_s / phases / step_s) if step_s > 0 else 1
-    return max(1, min(window, phases * max(1, per_phase)))
 
 
 def diloco(

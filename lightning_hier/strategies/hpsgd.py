@@ -57,11 +57,13 @@ class HPSGDStrategy(HierStrategy):
             (default): ``window``, the paper's schedule, where the average merged is one window old.
             A smaller delay brings the others' changes in sooner (less staleness: better accuracy
             with momentum) and leaves the reduction ``delay`` steps of compute to hide behind;
-            the launches stay every ``window`` steps. ``'auto'``: the first window merges at its
-            end, and every later one as many steps after its launch as the second window's
-            reduction took to complete on every rank (agreed by a one-byte all-reduce at each step
-            of that window; logged as ``hpsgd/delay``): one step on a fast link, the whole window
-            on a slow one, without knowing which beforehand. A delay below ``window`` (or
+            the launches stay every ``window`` steps. ``'auto'``: the first two windows merge at
+            their end; the second's reduction is timed on every rank (from its launch to its
+            completion, beside the steps' compute), and every later window merges after the
+            fewest steps that hide such a reduction to within a quarter step
+            (:func:`~lightning_hier.algorithms.hpsgd.auto_delay`; agreed by one all-reduce;
+            logged as ``hpsgd/delay``): one step on a fast link, the whole window on a slow one,
+            without knowing which beforehand. A delay below ``window`` (or
             ``'auto'``) needs ``merge='eager'``, mode ``'fixed'`` and one level.
     {two_level}
         **kwargs: See :class:`~lightning_hier.strategies.HierStrategy` (``timeout``,

@@ -152,7 +152,7 @@ class HPSGDSync(Sync):
         if self.mode != "fixed":
             return "mode='poll' agrees on readiness every step"
         if self.delay == AUTO:
-            return "delay='auto' agrees on readiness at every step of one window; give the delay as a number"
+            return "delay='auto' agrees on its choice over a control group of the starting ranks; give a number"
         if self.levels.enabled:
             return "two-level windows keep groups per node; fault tolerance is for one flat group"
         if self.compression in ("int8", "int4"):

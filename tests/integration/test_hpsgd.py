@@ -94,14 +94,14 @@ def _reference(
         **kw,
     )
     if delay is not None:
-        return ref.run_delayed(batch, total, window, delay, first_delay)
+        return ref.run_delayed(batch, total, window, delay, first_delay, first_windows=2)
     return ref.run(batch, total, fixed_merge_steps(window, total))
 
 
 EAGER = {"merge": "eager"}
 DILOCO = {"merge": "eager", "outer_lr": 0.7, "outer_momentum": 0.9, "compression": "bf16"}
 DELAYED = {"merge": "eager", "delay": 1}  # each window merged one step after its launch
-AUTO = {"merge": "eager", "delay": "auto"}  # the first window merged at its end, the others when their reduction is
+AUTO = {"merge": "eager", "delay": "auto"}  # two windows merged at their end, the others as soon as a reduction hides
 
 
 def _assert_equal_but_for_bf16_flips(a: torch.Tensor, b: torch.Tensor, where: str) -> None:

@@ -7,6 +7,7 @@ from torch import nn
 
 from lightning_hier import HPSGDStrategy
 from lightning_hier.algorithms import HPSGD, float_buffers
+from lightning_hier.algorithms.hpsgd import auto_delay
 from tests.hpsgd_reference import Reference, fixed_merge_steps, params_of
 
 STEPS = 10
@@ -302,10 +303,30 @@ def test_a_shorter_delay_follows_the_delayed_recurrence_on_one_worker(delay):
     _assert_same_history(_history(4, merge="eager", delay=delay), expected)
 
 
-def test_an_automatic_delay_on_one_worker_merges_the_second_window_one_step_after_its_launch():
-    # nothing to wait for on one worker: the second window's reduction is "done" at its first step
-    expected = Reference(_net, _opt, _loss, 1, merge="eager").run_delayed(_batch, STEPS, 4, 1, first_delay=4)
+def test_an_automatic_delay_on_one_worker_merges_from_the_third_window_one_step_after_its_launch():
+    # the first two windows merge at their end (the second is timed); one worker waits for nothing
+    reference = Reference(_net, _opt, _loss, 1, merge="eager")
+    expected = reference.run_delayed(_batch, STEPS, 4, 1, first_delay=4, first_windows=2)
     _assert_same_history(_history(4, merge="eager", delay="auto"), expected)
+
+
+@pytest.mark.parametrize(
+    ("phases", "step", "window", "expected"),
+    [
+        ([0.0], 0.01, 4, 1),
+        ([0.012], 0.01, 4, 1),  # waits 2 ms of a 10 ms step at delay 1: within a quarter step
+        ([0.013], 0.01, 4, 2),  # 3 ms at delay 1: too long; none at 2
+        ([1.0], 0.01, 8, 8),  # nothing short enough hides it: the window
+        ([0.001, 0.001], 0.01, 4, 1),  # quantized, delay 1: the gather starts at the merge and takes 1 ms
+        ([0.002, 0.004], 0.01, 4, 2),  # 4 ms of gather at delay 1; the gather from step 1 is hidden at 2
+        ([0.025, 0.025], 0.01, 8, 6),  # delay 5 starts the gather at step 3 and waits 5 ms for it
+        ([0.035, 0.001], 0.01, 8, 7),  # a slow exchange: at delay 6 the gather, at step 3, waits 5 ms for it
+        ([0.0], 0.0, 4, 1),
+        ([0.1], 0.0, 4, 4),
+    ],
+)
+def test_the_automatic_delay_is_the_smallest_that_waits_at_most_a_quarter_step(phases, step, window, expected):
+    assert auto_delay(phases, step, window) == expected
 
 
 @pytest.mark.parametrize("stop", range(1, STEPS))
@@ -315,7 +336,7 @@ def test_an_automatic_delay_round_trips_bit_identically_before_and_after_it_is_c
     snapshot, _ = _run(stop=stop, **variant)
     _, resumed = _run(state=snapshot, **variant)
     assert all(torch.equal(a, b) for a, b in zip(straight, resumed, strict=True))
-    assert snapshot["algo"]["delay_chosen"] == (stop >= 6) and snapshot["algo"]["delay"] == (1 if stop >= 6 else 4)
+    assert snapshot["algo"]["delay_chosen"] == (stop >= 9) and snapshot["algo"]["delay"] == (1 if stop >= 9 else 4)
 
 
 @pytest.mark.parametrize("stop", range(1, STEPS))  # in flight, merged and waiting for the next launch
