@@ -302,6 +302,8 @@ class HPSGD(HPSGDCheckpoint):
         if not self.launched:
             self._first_launch()
             return None
+        for clock in self._timing or ():  # NCCL's: read at step boundaries
+            clock.poll()
         if self.pending and self.since_launch == gather_step(self.delay):
             start_gathers(self._works)  # a quantized reduction's second half, behind the steps until the merge
         if self.delay < self.window:  # merge `delay` steps after a launch, launch every `window` steps
@@ -487,7 +489,7 @@ class HPSGD(HPSGDCheckpoint):
             self._works = all_reduce_sum_async(self._payload(), self.group, self.stats)
         if not self.delay_chosen:
             quantized = next((w for w in self._works if isinstance(w, QuantizedWork)), None)
-            self._timing = quantized.phases if quantized is not None else [clock.track(self._works)]
+            self._timing = quantized.phases if quantized is not None else [clock.track(self._works, self.group)]
         self.in_flight_world = self.world
         self.since_launch = 0
         self.pending = True

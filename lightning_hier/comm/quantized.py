@@ -137,7 +137,7 @@ class QuantizedWork:
         self.stats.add(sum(t.numel() * t.element_size() for t in inputs), calls=2)
         clock = PhaseClock()
         works = [collective(o, i, group=self.group, async_op=True) for o, i in zip(outputs, inputs, strict=True)]
-        self.phases.append(clock.track(works))
+        self.phases.append(clock.track(works, self.group))
         return works
 
     @property
