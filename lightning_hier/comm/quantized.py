@@ -145,10 +145,6 @@ class QuantizedWork:
         """Whether the gather (steps 3-5) has started."""
         return self._gathered is not None
 
-    def phase_completed(self) -> bool:
-        """Whether the collectives of the current step have finished (starts nothing)."""
-        return self._done or all(w is None or w.is_completed() for w in self._works)
-
     def start_gather(self) -> None:
         """Wait for the exchange (steps 1-2) if it is still running, then start the gather; else nothing."""
         if self._gathered is None and not self._done:
@@ -215,11 +211,6 @@ def gather_step(delay: int) -> int:
     both halves hide behind compute; with ``delay = 1`` the wait itself starts it.
     """
     return max(1, -(-delay // 2))
-
-
-def phase_completed(work: Any) -> bool:
-    """Whether ``work``'s current collectives have finished, starting nothing (any ``dist.Work`` too)."""
-    return work.phase_completed() if isinstance(work, QuantizedWork) else bool(work.is_completed())
 
 
 class QuantizedErrorFeedback:
