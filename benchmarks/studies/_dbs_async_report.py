@@ -99,8 +99,10 @@ def summary(rows: Sequence[dict[str, Any]], strategies: Sequence[str]) -> None:
 def best_by_equal_wall(row: dict[str, Any]) -> float:
     """The best accuracy of the fit's curve up to the equal wall time: less noisy than the accuracy
     at that moment, because validation accuracy swings by several points between snapshots when the
-    learning rate stays high (on CIFAR-10 for every strategy, DDP included)."""
-    return max(acc for when, acc in row["curve"] if when <= row["equal_wall_s"] + 1e-9)
+    learning rate stays high (on CIFAR-10 for every strategy, DDP included). A fit whose first point
+    comes after that time has its first point's, as ``acc_equal_wall`` takes its first snapshot."""
+    curve = row["curve"]
+    return max((acc for when, acc in curve if when <= row["equal_wall_s"] + 1e-9), default=curve[0][1])
 
 
 def _win_counts(rows: Sequence[dict[str, Any]], dbs: str, baselines: tuple[str, ...]) -> None:

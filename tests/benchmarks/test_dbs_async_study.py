@@ -83,6 +83,8 @@ def test_paired_table_calls_an_interval_above_zero_higher_and_one_across_zero_no
 def test_the_best_by_equal_wall_time_is_the_curves_maximum_up_to_that_time(capsys):
     row = {"equal_wall_s": 2.0, "curve": [(0.5, 0.4), (1.0, 0.7), (2.0, 0.6), (3.0, 0.9)]}
     assert best_by_equal_wall(row) == 0.7  # not the later 0.9, not the 0.6 at the moment itself
+    # a fit whose first point comes after the equal wall time (the fastest run's end): its first point
+    assert best_by_equal_wall({"equal_wall_s": 0.4, "curve": [(0.5, 0.4), (1.0, 0.7)]}) == 0.4
     rows = [_row("dbs_async", s, 0.0) | {"equal_wall_s": 1.0, "curve": [(1.0, 0.9 + 0.01 * s)]} for s in range(3)]
     rows += [_row("asgd", s, 0.0) | {"equal_wall_s": 1.0, "curve": [(1.0, 0.8)]} for s in range(3)]
     paired_table([r | {"best_by_equal_wall": best_by_equal_wall(r)} for r in rows], "best_by_equal_wall")
