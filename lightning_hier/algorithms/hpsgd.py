@@ -262,7 +262,7 @@ class HPSGD(HPSGDCheckpoint):
         self._buffers_in_flight: list[Tensor] = self.flat_buffers.zeros_like() if self.flat_buffers else []
         self._works: list[dist.Work] = []
         self._timing: list[PhaseClock] | None = None  # delay='auto': the in-flight reduction's, until chosen
-        self._launched_at = 0.0
+        self._launched_at = 0.0  # delay='auto': perf_counter() at the timed reduction's launch
         self._replica: tuple[list[Tensor], list[Tensor]] | None = None  # saved while in consensus()
         self.launched = False
         self.pending = False  # a launched window not merged yet (with delay == window: always, once launched)
@@ -404,9 +404,11 @@ class HPSGD(HPSGDCheckpoint):
     @torch.no_grad()
     def _merge(self) -> Merge:
         window = self.since_launch
-        compute_s = time.perf_counter() - self._launched_at - (self.stats.blocked_s - self._blocked_mark)
+        choose = not self.delay_chosen and self.merges >= 1  # the first reduction may also set up connections
+        blocked_so_far = self.stats.blocked_s - self._blocked_mark
+        compute_s = time.perf_counter() - self._launched_at - blocked_so_far if choose else 0.0  # wall less blocked
         distance = self._close_window(admit=True)
-        if not self.delay_chosen and self.merges >= 1:  # the first reduction may also set up connections
+        if choose:
             self._choose_delay(compute_s)
         self._restart()
         blocked = self.stats.blocked_s - self._blocked_mark
@@ -474,7 +476,7 @@ class HPSGD(HPSGDCheckpoint):
         """
         if self.change_weight != 1.0:
             torch._foreach_mul_(self._delta + self._buffers_in_flight, self.change_weight)
-        clock = PhaseClock()
+        clock = PhaseClock() if not self.delay_chosen else None  # delay='auto': this reduction is timed
         if isinstance(self.codec, QuantizedChange):  # its own all-reduce; the buffers' goes beside it
             works: list[Any] = [self.codec.launch(self._delta, self.group, self.stats)] if self.group else []
             self._works = works + all_reduce_sum_async(self._buffers_in_flight, self.group, self.stats)
@@ -487,14 +489,14 @@ class HPSGD(HPSGDCheckpoint):
                 self._sent = [t.clone() for t in self._payload()]
                 self._send_group, self._settling = self.group, True
             self._works = all_reduce_sum_async(self._payload(), self.group, self.stats)
-        if not self.delay_chosen:
+        if clock is not None:
             quantized = next((w for w in self._works if isinstance(w, QuantizedWork)), None)
             self._timing = quantized.phases if quantized is not None else [clock.track(self._works, self.group)]
+            self._launched_at = clock.start
         self.in_flight_world = self.world
         self.since_launch = 0
         self.pending = True
         self._blocked_mark = self.stats.blocked_s
-        self._launched_at = clock.start
 
     def _payload(self) -> list[Tensor]:
         return self.in_flight + self._buffers_in_flight
